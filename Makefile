@@ -1,0 +1,24 @@
+# Everything installs into .venv; both README commands go through `make install` first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test data clean
+
+install: $(STAMP)
+
+# torch goes first and pinned: an unpinned torch (or one pulled in by deepspeed) would fetch the
+# newest CUDA build. --no-build-isolation lets deepspeed's sdist build against that torch.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip setuptools wheel poetry-core
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-build-isolation -e . --group dev
+	touch $(STAMP)
+
+test: install
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) data models runs

@@ -1,0 +1,178 @@
+"""Tiny base models for the offline default: a byte-level BPE tokenizer trained on the synthetic
+TL;DR corpus and GPT-NeoX (Pythia architecture) models at a few sizes, each briefly pretrained as a
+causal LM on raw posts. Every model folder loads offline with plain `AutoTokenizer` /
+`AutoModelForCausalLM`, no trust_remote_code.
+
+Like Pythia, `<|endoftext|>` is id 0 and is both BOS and EOS; unlike Pythia (whose pad token the
+stage scripts add as `[PAD]`), the tokenizer ships a dedicated `[PAD]` token, never equal to EOS.
+
+    python -m summarize_from_feedback_details.tiny_models --corpus data/raw/tldr_sft/train.jsonl --output_dir models/tiny
+"""
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import tyro
+from rich.progress import Progress
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "[PAD]"
+
+# name -> (hidden_size, num_hidden_layers, num_attention_heads); intermediate = 4 * hidden (Pythia)
+SIZES = {
+    "s": (64, 2, 4),
+    "m": (128, 2, 4),
+    "l": (192, 3, 6),
+}
+
+
+@dataclass
+class Args:
+    corpus: str = "data/raw/tldr_sft/train.jsonl"
+    """JSONL rows with `title`, `post` and `summary` (the SFT schema): the text the tokenizer and
+    the pretraining see"""
+    output_dir: str = "models/tiny"
+    """receives `pythia-tiny-<size>/` folders (model + tokenizer); replaced as a whole"""
+    sizes: list = field(default_factory=lambda: list(SIZES))
+    """which of the sizes in SIZES to build"""
+    vocab_size: int = 1024
+    seed: int = 1
+    pretrain_steps: int = 150
+    """causal-LM steps on raw posts per model (0: random init)"""
+    pretrain_batch_size: int = 16
+    pretrain_seq_len: int = 128
+    pretrain_lr: float = 3e-3
+
+
+def corpus_texts(path: str) -> list:
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [f"{r['title']}\n\n{r['post']}" for r in rows] + [" " + r["summary"] for r in rows]
+
+
+def train_tokenizer(texts: list, vocab_size: int) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],  # ids 0 and 1
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=EOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        model_max_length=2048,
+    )
+
+
+def model_config(size: str, vocab_size: int, tokenizer: PreTrainedTokenizerFast) -> GPTNeoXConfig:
+    hidden, layers, heads = SIZES[size]
+    return GPTNeoXConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=2048,
+        rotary_pct=0.25,
+        use_parallel_residual=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        # the pad id of the model config stays unset, like Pythia's: padding is the stage scripts' job
+    )
+
+
+def pretrain(model: GPTNeoXForCausalLM, token_stream: np.ndarray, args: Args, progress: Progress, name: str):
+    """Plain causal-LM training on random windows of the concatenated, EOS-separated posts."""
+    generator = torch.Generator().manual_seed(args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, eps=1e-5, weight_decay=0.01)
+    stream = torch.from_numpy(token_stream)
+    task = progress.add_task(f"pretrain {name}", total=args.pretrain_steps)
+    model.train()
+    for step in range(args.pretrain_steps):
+        lr = args.pretrain_lr * 0.5 * (1 + math.cos(math.pi * step / args.pretrain_steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(0, len(stream) - args.pretrain_seq_len, (args.pretrain_batch_size,), generator=generator)
+        batch = torch.stack([stream[s : s + args.pretrain_seq_len] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        progress.update(task, advance=1, description=f"pretrain {name} loss {loss.item():.3f}")
+    model.eval()
+    return loss.item()
+
+
+def build(args: Args) -> dict:
+    """Builds every requested size into `args.output_dir` (atomically); returns a summary."""
+    unknown = sorted(set(args.sizes) - set(SIZES))
+    if unknown:
+        raise ValueError(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    texts = corpus_texts(args.corpus)
+    tokenizer = train_tokenizer(texts, args.vocab_size)
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    vocab_size = len(tokenizer)
+    ids = tokenizer([t for t in texts if not t.startswith(" ")])["input_ids"]
+    token_stream = np.array([tok for seq in ids for tok in seq + [tokenizer.eos_token_id]], dtype=np.int64)
+
+    tmp_dir = args.output_dir.rstrip("/") + f".tmp-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    summary = {}
+    try:
+        with Progress() as progress:
+            for size in args.sizes:
+                name = f"pythia-tiny-{size}"
+                torch.manual_seed(args.seed)
+                model = GPTNeoXForCausalLM(model_config(size, vocab_size, tokenizer))
+                start = time.time()
+                loss = pretrain(model, token_stream, args, progress, name) if args.pretrain_steps > 0 else None
+                folder = os.path.join(tmp_dir, name)
+                model.save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
+                summary[name] = {
+                    "parameters": sum(p.numel() for p in model.parameters()),
+                    "final_pretrain_loss": None if loss is None else round(loss, 4),
+                    "seconds": round(time.time() - start, 1),
+                }
+        with open(os.path.join(tmp_dir, "models.json"), "w") as f:
+            recipe = {k: v for k, v in vars(args).items() if k != "output_dir"}  # identical files wherever built
+            json.dump({"args": recipe | {"sizes": list(args.sizes)}, "models": {
+                k: {"parameters": v["parameters"], "final_pretrain_loss": v["final_pretrain_loss"]}
+                for k, v in summary.items()}}, f, indent=2, sort_keys=True)
+        shutil.rmtree(args.output_dir, ignore_errors=True)
+        os.replace(tmp_dir, args.output_dir)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return summary
+
+
+def main(args: Args) -> None:
+    summary = build(args)
+    for name, info in summary.items():
+        print(f"{name}: {info['parameters']:,} parameters, pretrain loss {info['final_pretrain_loss']}, "
+              f"{info['seconds']} s -> {os.path.join(args.output_dir, name)}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,628 @@
+"""Raw TL;DR data -> the tokenized SFT and preference datasets every later stage reads.
+
+Sources are the hub datasets by default, or local JSON/JSONL/parquet files in the same schemas:
+
+    python summarize_from_feedback_details/tldr_dataset.py                # hub, paper lengths
+    python summarize_from_feedback_details/tldr_dataset.py \\
+        --sft_dataset data/raw/tldr_sft --preference_dataset data/raw/comparisons \\
+        --base_model models/tiny/pythia-tiny-s --output_dir data/tldr --tldr_params.length 160 ...
+
+A local source is a folder holding `<split>.jsonl` (or `.json` / `.parquet`) per split, or an
+explicit list `train=a.jsonl,validation=b.jsonl,...`. Output: `<output_dir>/sft` and
+`<output_dir>/preference` (`save_to_disk`), `<output_dir>/dataset_visuals/*.png` and
+`<output_dir>/stats.json`. The output folder appears only once complete. No hub call happens unless
+a source is a hub name or `--push_to_hub` is given.
+"""
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from multiprocessing import Pool
+from typing import Optional
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import tyro  # noqa: E402
+from datasets import Dataset, DatasetDict, Features, List, Value, disable_progress_bars  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.progress import track  # noqa: E402
+from rich.table import Table  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+CNNDM_BATCHES = ("batch0_cnndm", "cnndm0", "cnndm2")
+SFT_SPLITS = ("train", "validation", "test")
+PREFERENCE_SOURCE_SPLITS = ("train", "validation")
+
+
+@dataclass
+class TaskParams:
+    length: int
+    """query length in tokens: longer queries are smart-truncated, shorter ones left-padded"""
+    format_str: str
+    truncate_field: str
+    """the field cut by smart truncation"""
+    max_rm_response_length: int
+    max_rm_query_response_length: int
+    max_sft_response_length: Optional[int] = None
+    max_sft_query_response_length: Optional[int] = None
+    truncate_text: str = "\n"
+    """smart truncation cuts the field at the last occurrence of this text"""
+
+
+@dataclass
+class Args:
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    """tokenizer source (all Pythia sizes share it, so one dataset serves every size)"""
+    sft_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
+    """hub name, local folder with train/validation/test files, or `split=file,...`"""
+    preference_dataset: str = "openai/summarize_from_feedback"
+    """hub name (config `preference_config`), local folder with train/validation files, or `split=file,...`"""
+    preference_config: str = "comparisons"
+    output_dir: str = "data/tldr"
+    overwrite: bool = False
+    """replace an existing `output_dir` (the new one is built aside first)"""
+    num_proc: int = 1
+    """worker processes for tokenization (the output does not depend on it)"""
+    push_to_hub: bool = False
+    hf_entity: Optional[str] = None
+    """hub user or org to push to (only asked of the hub with --push_to_hub when unset)"""
+    tldr_params: TaskParams = field(default_factory=lambda: TaskParams(
+        length=512,
+        format_str="SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:",
+        truncate_field="post",
+        max_sft_response_length=53,
+        max_sft_query_response_length=562,
+        max_rm_response_length=169,
+        max_rm_query_response_length=638,
+    ))
+    cnndm_params: TaskParams = field(default_factory=lambda: TaskParams(
+        length=2047 - 128,
+        format_str="Article:\n{article}\n\nTL;DR:\n",
+        truncate_field="article",
+        max_rm_response_length=155,
+        max_rm_query_response_length=2021,
+    ))
+
+
+class DataError(ValueError):
+    """Bad input: the message names the file (or hub split), the row and the column."""
+
+
+class FieldError(ValueError):
+    """A problem with one column of one row; the caller adds the file and row."""
+
+    def __init__(self, column: str, message: str):
+        super().__init__(message)
+        self.column = column
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and validating raw rows
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RawSplit:
+    source: str
+    """a file path or `hub:<name>[<split>]`, for messages"""
+    rows: list
+    line_numbers: Optional[list] = None
+    """1-based line of each row for JSON lines files"""
+
+    def where(self, index: int) -> str:
+        line = f" (line {self.line_numbers[index]})" if self.line_numbers else ""
+        return f"{self.source}: row {index}{line}"
+
+
+def read_rows(path: str) -> RawSplit:
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: file does not exist")
+    if path.endswith(".parquet"):
+        return RawSplit(path, pq.read_table(path).to_pylist())
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: invalid JSON: {e}") from None
+        return RawSplit(path, rows)
+    rows, lines = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: row {len(rows)} (line {number}): invalid JSON: {e}") from None
+        lines.append(number)
+    return RawSplit(path, rows, lines)
+
+
+def is_local(source: str) -> bool:
+    return "=" in source or os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") > 1
+
+
+def load_raw(source: str, splits: tuple, hub_config: Optional[str] = None) -> dict:
+    """Split name -> RawSplit, from a hub name, a local folder, or `split=file,...`."""
+    if not is_local(source):
+        from datasets import load_dataset  # a hub source: the only place this module reads the hub
+
+        return {
+            split: RawSplit(f"hub:{source}[{split}]", list(load_dataset(source, hub_config, split=split)))
+            for split in splits
+        }
+    if "=" in source:
+        files = dict(item.split("=", 1) for item in source.split(","))
+    elif os.path.isdir(source):
+        files = {}
+        for split in splits:
+            found = [os.path.join(source, split + ext) for ext in (".jsonl", ".json", ".parquet")
+                     if os.path.isfile(os.path.join(source, split + ext))]
+            if len(found) != 1:
+                raise DataError(f"{source}: expected exactly one of {split}.jsonl, {split}.json, "
+                                f"{split}.parquet, found {len(found)}")
+            files[split] = found[0]
+    else:
+        raise DataError(f"{source}: file or folder does not exist")
+    missing = [s for s in splits if s not in files]
+    if missing:
+        raise DataError(f"{source}: no file given for split(s) {missing}")
+    return {split: read_rows(os.path.expanduser(files[split])) for split in splits}
+
+
+def _get(row: dict, column: str):
+    value = row
+    for key in column.split("."):
+        if not isinstance(value, dict):
+            raise FieldError(column, f"expected an object, got {type(value).__name__}")
+        if key not in value:
+            raise FieldError(column, "missing column")
+        value = value[key]
+    return value
+
+
+def _require(row: dict, column: str, kind, nonempty: bool = False, nullable: bool = False):
+    value = _get(row, column)
+    if value is None and nullable:
+        return None
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise FieldError(column, f"expected {kind.__name__}, got {type(value).__name__} ({value!r:.40})")
+    if nonempty and not value.strip():
+        raise FieldError(column, "empty text")
+    return value
+
+
+def validate_sft_row(row) -> None:
+    if not isinstance(row, dict):
+        raise FieldError("<row>", f"expected an object, got {type(row).__name__}")
+    for column in ("id", "subreddit", "title"):
+        _require(row, column, str)
+    for column in ("post", "summary"):
+        _require(row, column, str, nonempty=True)
+
+
+def validate_preference_row(row) -> None:
+    if not isinstance(row, dict):
+        raise FieldError("<row>", f"expected an object, got {type(row).__name__}")
+    _require(row, "info.id", str)
+    batch = _require(row, "batch", str)
+    if batch in CNNDM_BATCHES:
+        _require(row, "info.article", str, nonempty=True)
+    else:
+        _require(row, "info.post", str, nonempty=True)
+        _require(row, "info.title", str)
+        _require(row, "info.subreddit", str)
+    summaries = _require(row, "summaries", list)
+    if len(summaries) != 2:
+        raise FieldError("summaries", f"expected 2 summaries, got {len(summaries)}")
+    for k, summary in enumerate(summaries):
+        if not isinstance(summary, dict):
+            raise FieldError(f"summaries[{k}]", f"expected an object, got {type(summary).__name__}")
+        for key, nonempty in (("text", True), ("policy", False)):
+            try:
+                _require(summary, key, str, nonempty=nonempty)
+            except FieldError as e:
+                raise FieldError(f"summaries[{k}].{e.column}", str(e)) from None
+    if _require(row, "choice", int) not in (0, 1):
+        raise FieldError("choice", f"expected 0 or 1, got {row['choice']}")
+    _require(row, "worker", str)
+    _require(row, "split", str)
+    confidence = _require(row, "extra.confidence", int, nullable=True)
+    if confidence is not None and not 1 <= confidence <= 9:
+        raise FieldError("extra.confidence", f"expected 1-9 or null, got {confidence}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization (pure functions of a row; tests import these)
+# ---------------------------------------------------------------------------------------------
+
+
+def smart_truncate(fields: dict, params: TaskParams, tokenizer) -> tuple:
+    """OpenAI's smart truncation: while the formatted query exceeds `params.length` tokens, cut the
+    truncate field at its last `truncate_text` (dropping it and all after), or drop its last
+    character when none is left. Returns (query tokens, number of cuts)."""
+    fields = dict(fields)
+    key = params.truncate_field
+    cuts = 0
+    tokens = tokenizer.encode(params.format_str.format(**fields))
+    while len(tokens) > params.length:
+        text = fields[key]
+        index = text.rfind(params.truncate_text)
+        fields[key] = text[:index] if index != -1 else text[:-1]
+        cuts += 1
+        if not fields[key].strip():
+            raise FieldError(key, f"became empty during smart truncation to {params.length} tokens")
+        tokens = tokenizer.encode(params.format_str.format(**fields))
+    return tokens, cuts
+
+
+def left_pad(tokens: list, length: int, pad_id: int) -> list:
+    return [pad_id] * (length - len(tokens)) + tokens
+
+
+def right_pad(tokens: list, length: int, pad_id: int, column: str, flag: str) -> list:
+    """Right-pads to `length`; a longer sequence is an error (nothing is silently cut)."""
+    if len(tokens) > length:
+        raise FieldError(column, f"{len(tokens)} tokens > {flag} {length}")
+    return tokens + [pad_id] * (length - len(tokens))
+
+
+def process_query(fields: dict, params: TaskParams, tokenizer) -> dict:
+    tokens, cuts = smart_truncate(fields, params, tokenizer)
+    return {
+        "query_token": left_pad(tokens, params.length, tokenizer.pad_token_id),
+        "query": tokenizer.decode(tokens, skip_special_tokens=True).lstrip(),
+        "query_token_len": len(tokens),
+        "query_truncations": cuts,
+    }
+
+
+def encode_query_response(query: str, response: str, length: int, tokenizer, column: str, flag: str) -> dict:
+    """`query.strip() + response` re-encoded (no left padding), right-padded, plus the copy whose
+    query positions are set to pad (the response-label mask)."""
+    stripped = query.strip()
+    tokens = tokenizer.encode(stripped + response)
+    query_len = len(tokenizer.encode(stripped))
+    padded = right_pad(tokens, length, tokenizer.pad_token_id, column, flag)
+    return {
+        column: padded,
+        f"{column}_response_label": [tokenizer.pad_token_id] * query_len + padded[query_len:],
+        f"{column}_len": len(tokens),
+    }
+
+
+def process_sft_row(row: dict, params: TaskParams, tokenizer) -> dict:
+    out = process_query(row, params, tokenizer)
+    # the upstream summary has no leading space; EOS is appended as text (id of <|endoftext|>)
+    reference_response = " " + row["summary"] + tokenizer.eos_token
+    response_tokens = tokenizer.encode(reference_response)
+    out["reference_response"] = reference_response
+    out["reference_response_token"] = right_pad(
+        response_tokens, params.max_sft_response_length, tokenizer.pad_token_id,
+        "reference_response_token", "--tldr_params.max_sft_response_length")
+    out["reference_response_token_len"] = len(response_tokens)
+    out["query_reference_response"] = out["query"].strip() + reference_response
+    out.update(encode_query_response(
+        out["query"], reference_response, params.max_sft_query_response_length, tokenizer,
+        "query_reference_response_token", "--tldr_params.max_sft_query_response_length"))
+    return out
+
+
+def process_preference_row(row: dict, params: TaskParams, params_flag: str, tokenizer) -> dict:
+    out = process_query(row["info"], params, tokenizer)
+    choice = row["choice"]
+    summaries = row["summaries"]
+    # upstream summaries already start with a space: only EOS is appended
+    for name, summary in (("chosen", summaries[choice]), ("rejected", summaries[1 - choice])):
+        response = summary["text"] + tokenizer.eos_token
+        tokens = tokenizer.encode(response)
+        out[name] = response
+        out[f"{name}_token"] = right_pad(tokens, params.max_rm_response_length, tokenizer.pad_token_id,
+                                         f"{name}_token", f"{params_flag}.max_rm_response_length")
+        out[f"{name}_token_len"] = len(tokens)
+        out[f"query_{name}"] = out["query"].strip() + response
+        out.update(encode_query_response(
+            out["query"], response, params.max_rm_query_response_length, tokenizer,
+            f"query_{name}_token", f"{params_flag}.max_rm_query_response_length"))
+        out[f"{name}_policy"] = summary["policy"]
+    out["policies"] = "--".join(sorted([summaries[0]["policy"], summaries[1]["policy"]]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole splits
+# ---------------------------------------------------------------------------------------------
+
+TOKENS = List(Value("int64"))
+INFO = {k: Value("string") for k in ("id", "post", "title", "subreddit", "site", "article")}
+SUMMARY = {"text": Value("string"), "policy": Value("string"), "note": Value("string")}
+SFT_FEATURES = Features({
+    **{k: Value("string") for k in ("id", "subreddit", "title", "post", "summary")},
+    "query_token": TOKENS, "query": Value("string"), "query_token_len": Value("int64"),
+    "query_truncations": Value("int64"), "reference_response": Value("string"),
+    "reference_response_token": TOKENS, "reference_response_token_len": Value("int64"),
+    "query_reference_response": Value("string"), "query_reference_response_token": TOKENS,
+    "query_reference_response_token_response_label": TOKENS,
+    "query_reference_response_token_len": Value("int64"),
+})
+PREFERENCE_FEATURES = Features({
+    "info": INFO, "summaries": List(SUMMARY), "choice": Value("int32"), "worker": Value("string"),
+    "batch": Value("string"), "split": Value("string"), "extra": {"confidence": Value("int32")},
+    "query_token": TOKENS, "query": Value("string"), "query_token_len": Value("int64"),
+    "query_truncations": Value("int64"),
+    **{f"{name}{suffix}": feature for name in ("chosen", "rejected") for suffix, feature in (
+        ("", Value("string")), ("_token", TOKENS), ("_token_len", Value("int64")),
+        ("_policy", Value("string")))},
+    **{f"query_{name}{suffix}": feature for name in ("chosen", "rejected") for suffix, feature in (
+        ("", Value("string")), ("_token", TOKENS), ("_token_response_label", TOKENS),
+        ("_token_len", Value("int64")))},
+    "policies": Value("string"),
+})
+
+
+class _RowJob:
+    """Validates and processes one row; picklable for multiprocessing."""
+
+    def __init__(self, kind: str, tokenizer, args: Args):
+        self.kind, self.tokenizer, self.args = kind, tokenizer, args
+
+    def __call__(self, row) -> dict:
+        if self.kind == "sft":
+            validate_sft_row(row)
+            return row | process_sft_row(row, self.args.tldr_params, self.tokenizer)
+        validate_preference_row(row)
+        cnndm = row["batch"] in CNNDM_BATCHES
+        params = self.args.cnndm_params if cnndm else self.args.tldr_params
+        flag = "--cnndm_params" if cnndm else "--tldr_params"
+        info = {k: row["info"].get(k) for k in INFO}
+        kept = {k: row[k] for k in ("summaries", "choice", "worker", "batch", "split")}
+        kept["summaries"] = [{k: s.get(k) for k in SUMMARY} for s in row["summaries"]]
+        return kept | {"info": info, "extra": {"confidence": row["extra"]["confidence"]}} | \
+            process_preference_row(row, params, flag, self.tokenizer)
+
+
+def _guarded(job_and_row):
+    job, (index, row) = job_and_row
+    try:
+        return index, job(row), None
+    except FieldError as e:
+        return index, None, (e.column, str(e))
+
+
+def process_split(raw: RawSplit, job: _RowJob, num_proc: int, description: str) -> list:
+    items = [(job, (i, row)) for i, row in enumerate(raw.rows)]
+    if num_proc > 1:
+        with Pool(num_proc) as pool:
+            results = list(track(pool.imap(_guarded, items, chunksize=64), total=len(items), description=description))
+    else:
+        results = [_guarded(item) for item in track(items, description=description)]
+    out = []
+    for index, processed, error in results:
+        if error is not None:
+            column, message = error
+            raise DataError(f"{raw.where(index)}: column '{column}': {message}")
+        out.append(processed)
+    return out
+
+
+def load_tokenizer(name: str):
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="right")
+    if tokenizer.pad_token is None:
+        # Pythia has no pad token: add a dedicated [PAD] (id 50277 fits in its 50304-row embedding)
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    if tokenizer.eos_token is None:
+        raise ValueError(f"tokenizer {name} has no EOS token")
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(f"tokenizer {name}: pad token {tokenizer.pad_token!r} equals EOS; the pad "
+                         "token must be a dedicated token, or EOS could not be learned")
+    if tokenizer.encode(tokenizer.eos_token) != [tokenizer.eos_token_id]:
+        raise ValueError(f"tokenizer {name}: EOS text {tokenizer.eos_token!r} does not encode to its id")
+    return tokenizer
+
+
+def build_datasets(args: Args, tokenizer) -> tuple:
+    raw_sft = load_raw(args.sft_dataset, SFT_SPLITS)
+    raw_pref = load_raw(args.preference_dataset, PREFERENCE_SOURCE_SPLITS, args.preference_config)
+    sft_rows = {split: process_split(raw, _RowJob("sft", tokenizer, args), args.num_proc, f"sft {split}")
+                for split, raw in raw_sft.items()}
+    pref_rows = {split: process_split(raw, _RowJob("preference", tokenizer, args), args.num_proc,
+                                      f"preference {split}")
+                 for split, raw in raw_pref.items()}
+    # the upstream validation split mixes TL;DR with CNN/DM rows: split them by batch name
+    validation = pref_rows.pop("validation")
+    pref_rows["validation"] = [r for r in validation if r["batch"] not in CNNDM_BATCHES]
+    pref_rows["validation_cnndm"] = [r for r in validation if r["batch"] in CNNDM_BATCHES]
+    sft = DatasetDict({s: Dataset.from_list(rows, features=SFT_FEATURES) for s, rows in sft_rows.items()})
+    pref = DatasetDict({s: Dataset.from_list(rows, features=PREFERENCE_FEATURES) for s, rows in pref_rows.items()})
+    return sft, pref
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics and plots
+# ---------------------------------------------------------------------------------------------
+
+SFT_LENGTHS = ("query_token_len", "reference_response_token_len", "query_reference_response_token_len")
+PREFERENCE_LENGTHS = ("query_token_len", "chosen_token_len", "rejected_token_len",
+                      "query_chosen_token_len", "query_rejected_token_len")
+
+
+def statistics(sft: DatasetDict, pref: DatasetDict) -> dict:
+    stats = {"rows": {}, "max_lengths": {}, "truncated_queries": {}, "labels": {}}
+    for name, dd, columns in (("sft", sft, SFT_LENGTHS), ("preference", pref, PREFERENCE_LENGTHS)):
+        for split, ds in dd.items():
+            key = f"{name}/{split}"
+            stats["rows"][key] = len(ds)
+            stats["max_lengths"][key] = {c: int(max(ds[c], default=0)) for c in columns}
+            stats["truncated_queries"][key] = int(sum(1 for n in ds["query_truncations"] if n > 0))
+    for split, ds in pref.items():
+        confidence = Counter(c["confidence"] for c in ds["extra"])
+        stats["labels"][split] = {
+            "choice_0_fraction": float(np.mean(np.array(ds["choice"]) == 0)) if len(ds) else 0.0,
+            "confidence": {str(k): v for k, v in sorted(confidence.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))},
+            "chosen_policy": dict(sorted(Counter(ds["chosen_policy"]).items())),
+            "rejected_policy": dict(sorted(Counter(ds["rejected_policy"]).items())),
+            "batch": dict(sorted(Counter(ds["batch"]).items())),
+        }
+    return stats
+
+
+def plot_lengths(dd: DatasetDict, columns: tuple, limits: dict, title: str, path: str) -> None:
+    ncols = min(3, len(columns))
+    nrows = -(-len(columns) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(columns):]:
+        ax.set_visible(False)
+    for ax, column in zip(axes.flat, columns):
+        for split, ds in dd.items():
+            if len(ds):
+                ax.hist(ds[column], bins=40, alpha=0.55, label=f"{split} (n={len(ds)})")
+        for limit_name, limit in limits.get(column, []):
+            ax.axvline(limit, color="black", linestyle="--", linewidth=1)
+            ax.annotate(limit_name, (limit, ax.get_ylim()[1] * 0.95), rotation=90, ha="right", va="top", fontsize=7)
+        ax.set_xlabel(f"{column} (tokens)")
+        ax.set_ylabel("rows")
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+def plot_labels(pref: DatasetDict, path: str) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    width = 0.8 / max(1, len(pref))
+    confidences = list(range(1, 10))
+    for k, (split, ds) in enumerate(pref.items()):
+        counts = Counter(c["confidence"] for c in ds["extra"])
+        total = max(1, len(ds))
+        axes[0].bar(np.arange(9) + k * width, [counts[c] / total for c in confidences], width, label=split)
+    axes[0].set_xticks(np.arange(9) + width * (len(pref) - 1) / 2, [str(c) for c in confidences])
+    axes[0].set_xlabel("labeller confidence")
+    axes[0].set_ylabel("fraction of pairs")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("confidence")
+
+    train = pref["train"]
+    policies = sorted(set(train["chosen_policy"]) | set(train["rejected_policy"]))
+    chosen, rejected = Counter(train["chosen_policy"]), Counter(train["rejected_policy"])
+    y = np.arange(len(policies))
+    axes[1].barh(y, [chosen[p] for p in policies], label="chosen")
+    axes[1].barh(y, [rejected[p] for p in policies], left=[chosen[p] for p in policies], label="rejected")
+    axes[1].set_yticks(y, policies, fontsize=7)
+    axes[1].set_xlabel("summaries in train pairs")
+    axes[1].legend(fontsize=8)
+    axes[1].set_title("policies (train)")
+
+    pairs = Counter(train["policies"]).most_common(20)
+    axes[2].barh(np.arange(len(pairs)), [n for _, n in pairs])
+    axes[2].set_yticks(np.arange(len(pairs)), [p for p, _ in pairs], fontsize=6)
+    axes[2].invert_yaxis()
+    axes[2].set_xlabel("train pairs")
+    axes[2].set_title("most common policy pairs (train)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
+def write_visuals(args: Args, sft: DatasetDict, pref: DatasetDict, folder: str) -> None:
+    os.makedirs(folder)
+    t, c = args.tldr_params, args.cnndm_params
+    plot_lengths(sft, SFT_LENGTHS, {
+        "query_token_len": [("length", t.length)],
+        "reference_response_token_len": [("max", t.max_sft_response_length)],
+        "query_reference_response_token_len": [("max", t.max_sft_query_response_length)],
+    }, "SFT dataset: token lengths (unpadded)", os.path.join(folder, "sft_token_lengths.png"))
+    plot_lengths(pref, PREFERENCE_LENGTHS, {
+        "query_token_len": [("tldr length", t.length), ("cnndm length", c.length)],
+        "chosen_token_len": [("tldr max", t.max_rm_response_length), ("cnndm max", c.max_rm_response_length)],
+        "rejected_token_len": [("tldr max", t.max_rm_response_length), ("cnndm max", c.max_rm_response_length)],
+        "query_chosen_token_len": [("tldr max", t.max_rm_query_response_length), ("cnndm max", c.max_rm_query_response_length)],
+        "query_rejected_token_len": [("tldr max", t.max_rm_query_response_length), ("cnndm max", c.max_rm_query_response_length)],
+    }, "preference dataset: token lengths (unpadded)", os.path.join(folder, "preference_token_lengths.png"))
+    plot_labels(pref, os.path.join(folder, "label_statistics.png"))
+
+
+def print_maxima(stats: dict, console: Console) -> None:
+    for name in ("sft", "preference"):
+        keys = [k for k in stats["max_lengths"] if k.startswith(name + "/")]
+        table = Table(title=f"{name}: observed maximum lengths (tokens, unpadded)")
+        table.add_column("", no_wrap=True)
+        for key in keys:
+            table.add_column(key.split("/")[1], justify="right")
+        table.add_row("rows", *[str(stats["rows"][k]) for k in keys])
+        table.add_row("smart-truncated queries", *[str(stats["truncated_queries"][k]) for k in keys])
+        for column in stats["max_lengths"][keys[0]]:
+            table.add_row(column.removesuffix("_token_len"), *[str(stats["max_lengths"][k][column]) for k in keys])
+        console.print(table)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def push_to_hub(args: Args, sft: DatasetDict, pref: DatasetDict, output_dir: str) -> None:
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    entity = args.hf_entity or api.whoami()["name"]
+    stamp = int(time.time())
+    for name, dd in (("summarize_from_feedback_tldr_3_filtered", sft), ("summarize_from_feedback", pref)):
+        repo_id = f"{entity}/{name}_oai_preprocessing_{stamp}"
+        dd.push_to_hub(repo_id)
+        api.upload_folder(repo_id=repo_id, repo_type="dataset", folder_path=os.path.join(output_dir, "dataset_visuals"),
+                          path_in_repo="dataset_visuals")
+        api.upload_file(repo_id=repo_id, repo_type="dataset", path_or_fileobj=__file__, path_in_repo="create_dataset.py")
+        print(f"pushed https://huggingface.co/datasets/{repo_id}")
+
+
+def run(args: Args, console: Optional[Console] = None) -> dict:
+    console = console or Console()
+    output_dir = args.output_dir.rstrip("/")
+    if os.path.exists(output_dir) and not args.overwrite:
+        raise FileExistsError(f"{output_dir} exists; pass --overwrite to replace it")
+    tokenizer = load_tokenizer(args.base_model)
+    sft, pref = build_datasets(args, tokenizer)
+    stats = statistics(sft, pref)
+    # only what shapes the content, so that reruns anywhere give identical files
+    stats["args"] = {k: v for k, v in asdict(args).items()
+                     if k in ("base_model", "sft_dataset", "preference_dataset", "tldr_params", "cnndm_params")}
+    tmp_dir = f"{output_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    disable_progress_bars()  # saving takes well under a second; our own bars cover the long work
+    try:
+        sft.save_to_disk(os.path.join(tmp_dir, "sft"))
+        pref.save_to_disk(os.path.join(tmp_dir, "preference"))
+        write_visuals(args, sft, pref, os.path.join(tmp_dir, "dataset_visuals"))
+        with open(os.path.join(tmp_dir, "stats.json"), "w") as f:
+            json.dump(stats, f, indent=2)
+        old_dir = f"{output_dir}.old-{os.getpid()}"
+        if os.path.exists(output_dir):
+            os.replace(output_dir, old_dir)
+        os.replace(tmp_dir, output_dir)
+        shutil.rmtree(old_dir, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    print_maxima(stats, console)
+    console.print(f"wrote {output_dir}/sft, {output_dir}/preference, {output_dir}/dataset_visuals/, {output_dir}/stats.json")
+    if args.push_to_hub:
+        push_to_hub(args, sft, pref, output_dir)
+    return stats
+
+
+def main(args: Args) -> None:
+    try:
+        run(args)
+    except (DataError, FileExistsError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

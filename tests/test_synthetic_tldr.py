@@ -1,0 +1,216 @@
+import filecmp
+import json
+import os
+import random
+
+import pytest
+from conftest import small_synthetic_args
+
+from summarize_from_feedback_details import synthetic_tldr as st
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_generator_is_deterministic(tmp_path):
+    a, b, c = (str(tmp_path / name) for name in "abc")
+    st.generate(small_synthetic_args(a, seed=7))
+    st.generate(small_synthetic_args(b, seed=7))
+    st.generate(small_synthetic_args(c, seed=8))
+    files = ["tldr_sft/train.jsonl", "tldr_sft/validation.jsonl", "tldr_sft/test.jsonl",
+             "comparisons/train.jsonl", "comparisons/validation.jsonl", "label_stats.json"]
+    match, mismatch, errors = filecmp.cmpfiles(a, b, files, shallow=False)
+    assert match == files and not mismatch and not errors
+    assert not filecmp.cmp(os.path.join(a, files[0]), os.path.join(c, files[0]), shallow=False)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"]  # no temporary folders left behind
+
+
+def test_files_follow_the_upstream_schemas(raw_dir):
+    for split, count in (("train", 300), ("validation", 60), ("test", 60)):
+        rows = read_jsonl(os.path.join(raw_dir, "tldr_sft", f"{split}.jsonl"))
+        assert len(rows) == count
+        for row in rows:
+            assert set(row) == {"id", "subreddit", "title", "post", "summary"}
+            assert all(isinstance(v, str) and v for v in row.values())
+            assert not row["summary"].startswith(" ")  # like upstream: no leading space
+        assert len({r["id"] for r in rows}) == count
+
+    train = read_jsonl(os.path.join(raw_dir, "comparisons", "train.jsonl"))
+    validation = read_jsonl(os.path.join(raw_dir, "comparisons", "validation.jsonl"))
+    assert len(train) == 300 and len(validation) == 200
+    for row in train + validation:
+        assert set(row) == {"info", "summaries", "choice", "worker", "batch", "split", "extra"}
+        assert set(row["info"]) == {"id", "post", "title", "subreddit", "site", "article"}
+        assert len(row["summaries"]) == 2
+        for summary in row["summaries"]:
+            assert set(summary) == {"text", "policy", "note"}
+            assert summary["text"].startswith(" ")  # like upstream: summaries start with a space
+        assert summary["note"] is None
+        assert row["choice"] in (0, 1)
+        assert 1 <= row["extra"]["confidence"] <= 9
+    assert {r["split"] for r in train} == {"train"}
+    assert {r["split"] for r in validation} == {"valid1", "valid2"}
+    assert not any(r["batch"] in st.CNNDM_BATCHES for r in train)
+    ood = [r for r in validation if r["batch"] in st.CNNDM_BATCHES]
+    assert len(ood) == 40
+    assert {r["batch"] for r in ood} <= set(st.CNNDM_BATCHES)
+    for row in ood:
+        assert row["info"]["post"] is None and row["info"]["subreddit"] is None
+        assert row["info"]["article"] and row["info"]["site"] in st.NEWS_SITES
+    for row in validation:
+        if row["batch"] not in st.CNNDM_BATCHES:
+            assert row["info"]["post"] and row["info"]["article"] is None
+
+
+def test_lexicon_cues_are_unambiguous():
+    """Every surface form of a value is read back as exactly that value (and nothing else), and
+    no filler sentence mentions any key fact."""
+    for rel, (post_form, forms, _) in st.RELATIONS.items():
+        for form in [post_form, *forms]:
+            facts = st.extract_facts(f"my {form} is here.")
+            assert dict(facts["relation"]) == {rel: 1}, form
+    for problem, (post_forms, forms) in st.PROBLEMS.items():
+        for form in post_forms + forms:
+            facts = st.extract_facts(f"she {form}.")
+            assert dict(facts["problem"]) == {problem: 1}, form
+            assert not facts["relation"] and not facts["ask"] and not facts["feeling"], form
+    for ask, (post_forms, forms) in st.ASKS.items():
+        for form in post_forms + forms:
+            for obj in ("him", "her", "them"):
+                facts = st.extract_facts(form.format(obj=obj))
+                assert dict(facts["ask"]) == {ask: 1}, form
+    for feeling, forms in st.FEELINGS.items():
+        for form in forms:
+            assert dict(st.extract_facts(f"I am {form}.")["feeling"]) == {feeling: 1}
+    rng = random.Random(0)
+    for templates in (st.FILLER_SENTENCES, st.NEWS_FILLER_SENTENCES):
+        for _ in range(200):
+            facts = st.extract_facts(st._filler_sentence(rng, templates))
+            assert not any(facts.values())
+    for sentence in st.TAIL_SENTENCES:
+        assert not any(st.extract_facts(sentence).values())
+
+
+def _example(seed=3):
+    rng = random.Random(seed)
+    facts = st._sample_facts(rng, "relationships")
+    _, post = st.make_post(rng, facts, long_post=False)
+    return rng, facts, post
+
+
+def test_gold_judge_known_answers():
+    facts = {"relation": "roommate", "problem": "rent", "ask": "move", "feeling": "angry",
+             "duration": (3, "years"), "age": 25, "gender": "F", "other_age": 27, "other_gender": "M"}
+    post = ("I (25F) have lived with my roommate (27M) for 3 years. We met at the gym a while ago.\n\n"
+            "Lately they has not paid rent in months. I am so angry right now.\n\nShould I just move out?")
+    perfect = " my roommate of 3 years has not paid rent, I feel angry. should I move out?"
+    assert st.gold_score(post, perfect) == pytest.approx(4.5)
+    # missing facts: only relation and problem
+    assert st.gold_score(post, " roommate owes rent.") == pytest.approx(2.5)
+    # a wrong number costs the duration credit and a wrong-fact penalty
+    assert st.gold_score(post, perfect.replace("3 years", "5 years")) == pytest.approx(4.5 - 0.6 - 1.5)
+    # an irrelevant detail costs the filler penalty
+    assert st.gold_score(post, perfect + " we met at the gym.") == pytest.approx(4.5 - 0.6)
+    # an unfinished summary
+    assert st.gold_score(post, " my roommate of 3 years has not paid rent, I feel") == pytest.approx(
+        1.0 + 1.5 + 0.6 - 0.5)
+    # garbled words
+    assert st.gold_score(post, perfect.replace("roommate", "roomxate")) == pytest.approx(4.5 - 1.0 - 0.4)
+    # the EOS text does not count as a word
+    assert st.gold_score(post, perfect + "<|endoftext|>") == pytest.approx(4.5)
+    assert st.gold_score(post, "") < 0
+    assert st.gold_preference(post, perfect, " roommate owes rent.") == 1.0
+    assert st.gold_preference(post, " roommate owes rent.", perfect) == 0.0
+    assert st.gold_preference(post, perfect, perfect) == 0.5
+    # the judge reads the post out of a formatted query just as well
+    query = f"SUBREDDIT: r/roommates\n\nTITLE: help\n\nPOST: {post}\n\nTL;DR:"
+    assert st.gold_score(query, perfect) == st.gold_score(post, perfect)
+
+
+def test_a_wrong_fact_loses_to_the_reference():
+    for seed in range(50):
+        rng, facts, post = _example(seed)
+        reference = " " + st.reference_summary(rng, facts)
+        for slot in ("relation", "problem", "duration"):
+            wrong = dict(facts)
+            if slot == "relation":
+                wrong["relation"] = next(r for r in sorted(st.RELATIONS) if r != facts["relation"])
+            elif slot == "problem":
+                wrong["problem"] = next(p for p in sorted(st.PROBLEMS) if p != facts["problem"])
+            else:
+                wrong["duration"] = (facts["duration"][0] + 1, facts["duration"][1])
+            # same style as the reference (same rng state) but one fact changed, duration included
+            wrong_summary = " " + st.summarize(random.Random(seed), wrong, {"duration"})
+            right_summary = " " + st.summarize(random.Random(seed), facts, {"duration"})
+            assert st.gold_score(post, wrong_summary) < st.gold_score(post, right_summary)
+            assert st.gold_score(post, wrong_summary) < st.gold_score(post, reference), (post, wrong_summary, reference)
+
+
+def test_a_longer_summary_is_not_automatically_preferred(raw_dir):
+    for seed in range(50):
+        rng, facts, post = _example(seed)
+        reference = " " + st.reference_summary(rng, facts)
+        padded = reference + " " + st._filler_sentence(rng).lower()
+        assert len(padded) > len(reference)
+        assert st.gold_score(post, padded) < st.gold_score(post, reference)
+        verbose = " " + st.policy_summary(rng, "sup_verbose", facts, reference)
+        assert st.gold_score(post, verbose) < st.gold_score(post, reference)
+    # over the labelled pairs, the longer summary wins less than half the time
+    with open(os.path.join(raw_dir, "label_stats.json")) as f:
+        stats = json.load(f)
+    for split in ("train", "validation"):
+        assert 0.3 < stats[split]["longer_summary_chosen_rate"] < 0.6
+
+
+def test_reference_is_good_but_beatable():
+    scores = {"ref": [], "sup_full": [], "sup_terse": []}
+    for seed in range(200):
+        rng, facts, post = _example(seed)
+        reference = st.reference_summary(rng, facts)
+        for policy in scores:
+            scores[policy].append(st.gold_score(post, " " + st.policy_summary(rng, policy, facts, reference)))
+    mean = {p: sum(v) / len(v) for p, v in scores.items()}
+    assert mean["sup_terse"] < mean["ref"] < mean["sup_full"]
+    assert mean["sup_full"] == pytest.approx(4.5)  # the best summaries reach the maximum score
+    assert mean["ref"] > 3.0
+
+
+def test_label_noise_agreement_on_validation(tmp_path, capsys):
+    """Labels come from a noisy Bradley-Terry model: the gold judge agrees with most labels, not all."""
+    stats = st.generate(st.Args(output_dir=str(tmp_path / "raw"), num_sft_train=10, num_sft_validation=10,
+                                num_sft_test=10, num_comparison_train=10))
+    agreement = {split: stats[split]["gold_label_agreement"] for split in ("validation", "validation_cnndm")}
+    with capsys.disabled():
+        print(f"\ngold-vs-label agreement on validation pairs (default generator): {agreement}")
+    assert 0.6 < agreement["validation"] < 0.95
+    assert 0.6 < agreement["validation_cnndm"] < 0.95
+    # with a near-zero temperature the labels follow the judge (up to ties)
+    exact = st.generate(st.Args(output_dir=str(tmp_path / "exact"), num_sft_train=10, num_sft_validation=10,
+                                num_sft_test=10, num_comparison_train=10, label_temperature=1e-3))
+    assert exact["validation"]["gold_label_agreement"] > 0.97
+
+
+def test_confidence_grows_with_the_gold_margin(raw_dir):
+    rows = read_jsonl(os.path.join(raw_dir, "comparisons", "train.jsonl"))
+    low, high = [], []
+    for row in rows:
+        post = row["info"]["post"]
+        margin = abs(st.gold_score(post, row["summaries"][0]["text"]) - st.gold_score(post, row["summaries"][1]["text"]))
+        (high if margin > 2 else low).append(row["extra"]["confidence"])
+    assert sum(high) / len(high) > sum(low) / len(low) + 1
+
+
+def test_long_posts_end_in_filler_only():
+    rng = random.Random(0)
+    for _ in range(100):
+        facts = st._sample_facts(rng, "roommates")
+        _, post = st.make_post(rng, facts, long_post=True)
+        paragraphs = post.split("\n\n")
+        full = st.extract_facts(post)
+        # cutting any number of trailing filler paragraphs keeps every key fact
+        core = next(i for i, p in enumerate(paragraphs) if any(st.extract_facts(p)["ask"]))
+        assert {k: set(v) for k, v in st.extract_facts("\n\n".join(paragraphs[: core + 1])).items()} == \
+            {k: set(v) for k, v in full.items()}
+        assert len(paragraphs) > core + 1

@@ -1,0 +1,85 @@
+import filecmp
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from summarize_from_feedback_details import tiny_models
+
+
+def test_tokenizer_has_a_dedicated_pad_token(tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id == 0  # as in Pythia
+    assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == 1
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert tokenizer.encode("<|endoftext|>") == [0] and tokenizer.encode("[PAD]") == [1]
+    # byte-level: any text round-trips, including text the corpus never had
+    text = " Ünïcode, emoji 🙂 and tabs\tround-trip"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    # no BOS is prepended (the EOS of a response must be the last real token)
+    assert tokenizer.encode(" my bf")[0] != tokenizer.eos_token_id
+
+
+def test_models_load_offline_with_plain_transformers(models_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    sizes = {}
+    for size in ("s", "m"):
+        folder = os.path.join(models_dir, f"pythia-tiny-{size}")
+        assert "model.safetensors" in os.listdir(folder)
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        assert config["model_type"] == "gpt_neox" and "auto_map" not in config
+        assert models_dir not in json.dumps(config)  # no path of the building machine
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert type(model).__name__ == "GPTNeoXForCausalLM"
+        assert model.config.attention_dropout == 0.0 and model.config.hidden_dropout == 0.0
+        assert model.config.vocab_size == len(AutoTokenizer.from_pretrained(folder))
+        sizes[size] = model.num_parameters()
+        ids = AutoTokenizer.from_pretrained(folder)(" my boyfriend", return_tensors="pt").input_ids
+        assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
+    assert sizes["s"] < sizes["m"]
+    with open(os.path.join(models_dir, "models.json")) as f:
+        assert json.load(f)["models"]["pythia-tiny-s"]["parameters"] == sizes["s"]
+
+
+def build(raw_dir, out, **kwargs):
+    args = tiny_models.Args(corpus=os.path.join(raw_dir, "tldr_sft", "train.jsonl"), output_dir=str(out),
+                            sizes=["s"], **kwargs)
+    return tiny_models.build(args)
+
+
+def test_build_is_deterministic(raw_dir, tmp_path):
+    build(raw_dir, tmp_path / "a", pretrain_steps=3)
+    build(raw_dir, tmp_path / "b", pretrain_steps=3)
+    build(raw_dir, tmp_path / "c", pretrain_steps=3, seed=2)
+    files = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    a, b, c = (os.path.join(tmp_path, x, "pythia-tiny-s") for x in "abc")
+    match, mismatch, errors = filecmp.cmpfiles(a, b, files, shallow=False)
+    assert match == files, (mismatch, errors)
+    assert not filecmp.cmp(os.path.join(a, "model.safetensors"), os.path.join(c, "model.safetensors"), shallow=False)
+    assert filecmp.cmp(os.path.join(a, "tokenizer.json"), os.path.join(c, "tokenizer.json"), shallow=False)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"]
+
+
+def test_pretraining_lowers_the_loss_on_held_out_posts(raw_dir, tmp_path):
+    build(raw_dir, tmp_path / "init", pretrain_steps=0)
+    build(raw_dir, tmp_path / "trained", pretrain_steps=40)
+    with open(os.path.join(raw_dir, "tldr_sft", "validation.jsonl")) as f:
+        posts = [json.loads(line)["post"] for line in f][:16]
+    losses = {}
+    for name in ("init", "trained"):
+        folder = os.path.join(tmp_path, name, "pythia-tiny-s")
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        with torch.no_grad():
+            losses[name] = sum(model(ids := torch.tensor([tokenizer.encode(p)[:96]]), labels=ids).loss.item()
+                               for p in posts) / len(posts)
+    assert losses["trained"] < losses["init"] - 1.0, losses
+
+
+def test_unknown_size_is_rejected(raw_dir, tmp_path):
+    with pytest.raises(ValueError, match="unknown sizes"):
+        tiny_models.build(tiny_models.Args(corpus=os.path.join(raw_dir, "tldr_sft", "train.jsonl"),
+                                           output_dir=str(tmp_path / "x"), sizes=["xl"]))

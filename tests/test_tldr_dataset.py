@@ -1,0 +1,398 @@
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import FIXTURES, TINY_CNNDM_PARAMS, TINY_TLDR_PARAMS, tiny_dataset_args
+from datasets import load_from_disk
+
+from summarize_from_feedback_details import tldr_dataset as td
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class CharTokenizer:
+    """One token per character: makes smart-truncation answers exact and easy to check by hand."""
+
+    pad_token_id = 0
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def params(length, format_str="{post}", field="post"):
+    return td.TaskParams(length=length, format_str=format_str, truncate_field=field,
+                         max_rm_response_length=8, max_rm_query_response_length=16)
+
+
+# ---------------------------------------------------------------------------------------------
+# smart truncation and padding
+# ---------------------------------------------------------------------------------------------
+
+
+def test_smart_truncation_cuts_at_the_last_newline():
+    tokens, cuts = td.smart_truncate({"post": "abc\ndef\nghi"}, params(10), CharTokenizer())
+    assert "".join(map(chr, tokens)) == "abc\ndef" and cuts == 1
+    # repeated cuts, each at the then-last newline
+    tokens, cuts = td.smart_truncate({"post": "ab\ncd\nef\ngh"}, params(4), CharTokenizer())
+    assert "".join(map(chr, tokens)) == "ab" and cuts == 3
+    # nothing to do when it fits, the template counts too
+    tokens, cuts = td.smart_truncate({"post": "ab\ncd", "title": "T"}, params(9, "{title}: {post}"), CharTokenizer())
+    assert "".join(map(chr, tokens)) == "T: ab\ncd" and cuts == 0
+
+
+def test_smart_truncation_without_newline_drops_characters():
+    tokens, cuts = td.smart_truncate({"post": "abcdefghijkl"}, params(10), CharTokenizer())
+    assert "".join(map(chr, tokens)) == "abcdefghij" and cuts == 2
+    # a newline early on is used first, then characters go one by one
+    tokens, _ = td.smart_truncate({"post": "abcdefgh\nij"}, params(5), CharTokenizer())
+    assert "".join(map(chr, tokens)) == "abcde"
+
+
+def test_smart_truncation_empty_field_is_an_error():
+    with pytest.raises(td.FieldError) as e:
+        td.smart_truncate({"post": "abc", "title": "x" * 20}, params(10, "{title}{post}"), CharTokenizer())
+    assert e.value.column == "post" and "empty" in str(e.value)
+    with pytest.raises(td.FieldError):
+        td.smart_truncate({"post": "\nabcdefghijkl"}, params(5), CharTokenizer())
+
+
+def test_smart_truncation_with_the_real_tokenizer(tokenizer):
+    post = "first paragraph is here.\n\nsecond one.\n\nthird paragraph that is long " + "and long " * 40
+    fields = {"subreddit": "relationships", "title": "help", "post": post}
+    expected = "SUBREDDIT: r/relationships\n\nTITLE: help\n\nPOST: first paragraph is here.\n\nsecond one.\n\nTL;DR:"
+    length = len(tokenizer.encode(expected))
+    p = td.TaskParams(length=length, format_str=td.Args().tldr_params.format_str, truncate_field="post",
+                      max_rm_response_length=8, max_rm_query_response_length=16)
+    out = td.process_query(fields, p, tokenizer)
+    assert len(out["query_token"]) == length and tokenizer.pad_token_id not in out["query_token"]
+    # cut 1 drops the long paragraph (leaving "second one.\n"), cut 2 the dangling newline
+    assert out["query"] == expected and out["query_truncations"] == 2
+
+
+def test_padding():
+    assert td.left_pad([5, 6], 4, 0) == [0, 0, 5, 6]
+    assert td.right_pad([5, 6], 4, 0, "c", "--f") == [5, 6, 0, 0]
+    with pytest.raises(td.FieldError, match=r"3 tokens > --f 2"):
+        td.right_pad([1, 2, 3], 2, 0, "c", "--f")
+
+
+# ---------------------------------------------------------------------------------------------
+# the processed datasets
+# ---------------------------------------------------------------------------------------------
+
+
+def test_queries_are_left_padded_to_exactly_the_query_length(tiny_datasets, tokenizer):
+    out, _ = tiny_datasets
+    pad = tokenizer.pad_token_id
+    sft = load_from_disk(os.path.join(out, "sft"))
+    pref = load_from_disk(os.path.join(out, "preference"))
+    for ds, length in [(sft[s], 160) for s in sft] + [(pref["train"], 160), (pref["validation"], 160),
+                                                       (pref["validation_cnndm"], 320)]:
+        for row in ds:
+            tokens = row["query_token"]
+            assert len(tokens) == length
+            n_pad = length - row["query_token_len"]
+            assert tokens[:n_pad] == [pad] * n_pad and pad not in tokens[n_pad:]
+            assert tokenizer.decode(tokens[n_pad:]) == row["query"]
+            assert row["query"].endswith("TL;DR:") if length == 160 else row["query"].endswith("TL;DR:\n")
+
+
+def test_some_tiny_posts_need_smart_truncation(tiny_datasets):
+    _, stats = tiny_datasets
+    for key in ("sft/train", "preference/train", "preference/validation_cnndm"):
+        assert 0 < stats["truncated_queries"][key] < stats["rows"][key] / 2
+    assert 140 < stats["max_lengths"]["sft/train"]["query_token_len"] <= 160
+
+
+def test_sft_reference_response_has_leading_space_and_eos(tiny_datasets, tokenizer):
+    out, _ = tiny_datasets
+    sft = load_from_disk(os.path.join(out, "sft"))
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    for row in sft["train"].select(range(50)):
+        assert row["reference_response"] == " " + row["summary"] + "<|endoftext|>"
+        tokens = row["reference_response_token"]
+        n = row["reference_response_token_len"]
+        assert len(tokens) == 32
+        assert tokens[n - 1] == eos and tokens[n:] == [pad] * (32 - n) and eos not in tokens[: n - 1]
+        assert tokenizer.decode(tokens[:n]) == row["reference_response"]
+        assert tokenizer.decode(tokens[:1]).startswith(" ")
+
+
+def test_preference_responses_get_eos_only(tiny_datasets, tokenizer):
+    out, _ = tiny_datasets
+    pref = load_from_disk(os.path.join(out, "preference"))
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    for row in pref["train"].select(range(50)):
+        choice = row["choice"]
+        assert row["chosen"] == row["summaries"][choice]["text"] + "<|endoftext|>"
+        assert row["rejected"] == row["summaries"][1 - choice]["text"] + "<|endoftext|>"
+        assert row["chosen"].startswith(" ") and not row["chosen"].startswith("  ")
+        assert row["chosen_policy"] == row["summaries"][choice]["policy"]
+        assert row["policies"] == "--".join(sorted(s["policy"] for s in row["summaries"]))
+        for name in ("chosen", "rejected"):
+            tokens, n = row[f"{name}_token"], row[f"{name}_token_len"]
+            assert len(tokens) == 80 and tokens[n - 1] == eos and tokens[n:] == [pad] * (80 - n)
+
+
+@pytest.mark.parametrize("dataset,split,column,response_column,length", [
+    ("sft", "train", "query_reference_response_token", "reference_response", 192),
+    ("preference", "train", "query_chosen_token", "chosen", 240),
+    ("preference", "train", "query_rejected_token", "rejected", 240),
+    ("preference", "validation_cnndm", "query_chosen_token", "chosen", 400),
+])
+def test_query_response_is_reencoded_with_response_label_mask(tiny_datasets, tokenizer, dataset, split,
+                                                              column, response_column, length):
+    out, _ = tiny_datasets
+    ds = load_from_disk(os.path.join(out, dataset))[split]
+    pad = tokenizer.pad_token_id
+    for row in ds.select(range(min(40, len(ds)))):
+        expected = tokenizer.encode(row["query"].strip() + row[response_column])
+        tokens = row[column]
+        assert len(tokens) == length
+        assert tokens[0] != pad  # re-encoded: no left padding
+        assert tokens[: len(expected)] == expected and tokens[len(expected):] == [pad] * (length - len(expected))
+        assert row[f"{column}_len"] == len(expected)
+        label = row[f"{column}_response_label"]
+        query_len = len(tokenizer.encode(row["query"].strip()))
+        assert label[:query_len] == [pad] * query_len
+        assert label[query_len:] == tokens[query_len:]
+        # what is left unmasked is exactly the response (EOS included)
+        response = [t for t in label if t != pad]
+        assert tokenizer.decode(response) == row[response_column]
+
+
+def test_validation_is_split_by_batch_name(tiny_datasets, raw_dir):
+    out, stats = tiny_datasets
+    pref = load_from_disk(os.path.join(out, "preference"))
+    assert set(pref) == {"train", "validation", "validation_cnndm"}
+    with open(os.path.join(raw_dir, "comparisons", "validation.jsonl")) as f:
+        raw = [json.loads(line) for line in f]
+    ood_ids = [r["info"]["id"] for r in raw if r["batch"] in td.CNNDM_BATCHES]
+    assert pref["validation_cnndm"]["info"] == [r["info"] for r in raw if r["batch"] in td.CNNDM_BATCHES]
+    assert [i["id"] for i in pref["validation_cnndm"]["info"]] == ood_ids
+    assert len(pref["validation"]) + len(ood_ids) == len(raw)
+    assert set(pref["validation_cnndm"]["batch"]) <= set(td.CNNDM_BATCHES)
+    assert not set(pref["validation"]["batch"]) & set(td.CNNDM_BATCHES)
+    for row in pref["validation_cnndm"]:
+        assert row["query"].startswith("Article:\n")
+    assert stats["labels"]["validation_cnndm"]["batch"] == {
+        b: sum(1 for r in raw if r["batch"] == b) for b in td.CNNDM_BATCHES if any(r["batch"] == b for r in raw)}
+
+
+def test_upstream_columns_are_kept(tiny_datasets, raw_dir):
+    out, _ = tiny_datasets
+    pref = load_from_disk(os.path.join(out, "preference"))
+    with open(os.path.join(raw_dir, "comparisons", "train.jsonl")) as f:
+        raw = [json.loads(line) for line in f]
+    row = pref["train"][0]
+    for key in ("info", "summaries", "choice", "worker", "batch", "split", "extra"):
+        assert row[key] == raw[0][key]
+    assert pref["train"].flatten()["extra.confidence"] == [r["extra"]["confidence"] for r in raw]
+
+
+def test_visuals_and_stats_are_written(tiny_datasets):
+    out, stats = tiny_datasets
+    for name in ("sft_token_lengths.png", "preference_token_lengths.png", "label_statistics.png"):
+        with open(os.path.join(out, "dataset_visuals", name), "rb") as f:
+            data = f.read()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    with open(os.path.join(out, "stats.json")) as f:
+        saved = json.load(f)
+    assert saved["max_lengths"] == stats["max_lengths"]
+    assert saved["rows"]["preference/validation_cnndm"] == 40
+    assert sum(saved["labels"]["train"]["confidence"].values()) == 300
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input and atomic output
+# ---------------------------------------------------------------------------------------------
+
+
+def copy_raw(raw_dir, tmp_path):
+    dst = tmp_path / "raw"
+    shutil.copytree(raw_dir, dst)
+    return str(dst)
+
+
+def rewrite_row(path, index, edit):
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    edit(rows[index])
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+@pytest.mark.parametrize("dataset,split,index,edit,column,message", [
+    ("tldr_sft", "validation", 7, lambda r: r.pop("summary"), "summary", "missing column"),
+    ("tldr_sft", "test", 3, lambda r: r.update(post="  \n "), "post", "empty text"),
+    ("tldr_sft", "train", 11, lambda r: r.update(title=42), "title", "expected str, got int"),
+    ("comparisons", "train", 5, lambda r: r.update(choice="1"), "choice", "expected int, got str"),
+    ("comparisons", "train", 9, lambda r: r.update(choice=2), "choice", "expected 0 or 1"),
+    ("comparisons", "train", 2, lambda r: r["summaries"].pop(), "summaries", "expected 2 summaries"),
+    ("comparisons", "validation", 4, lambda r: r["summaries"][1].update(text=""), "summaries[1].text", "empty text"),
+    ("comparisons", "validation", 6, lambda r: r["extra"].update(confidence=12), "extra.confidence", "1-9"),
+    ("comparisons", "train", 8, lambda r: r["info"].pop("post"), "info.post", "missing column"),
+])
+def test_schema_errors_name_file_row_and_column(raw_dir, tokenizer_dir, tmp_path, dataset, split, index, edit,
+                                                column, message):
+    raw = copy_raw(raw_dir, tmp_path)
+    path = os.path.join(raw, dataset, f"{split}.jsonl")
+    rewrite_row(path, index, edit)
+    out = str(tmp_path / "out")
+    with pytest.raises(td.DataError) as e:
+        td.run(tiny_dataset_args(raw, tokenizer_dir, out))
+    assert str(e.value).startswith(f"{path}: row {index} (line {index + 1}): column '{column}': ")
+    assert message in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["raw"]  # no output, not even a partial one
+
+
+def test_missing_file_and_bad_json(raw_dir, tokenizer_dir, tmp_path):
+    raw = copy_raw(raw_dir, tmp_path)
+    os.remove(os.path.join(raw, "tldr_sft", "test.jsonl"))
+    with pytest.raises(td.DataError, match=r"tldr_sft: expected exactly one of test.jsonl"):
+        td.run(tiny_dataset_args(raw, tokenizer_dir, str(tmp_path / "out")))
+    explicit = f"train={raw}/tldr_sft/train.jsonl,validation={raw}/tldr_sft/validation.jsonl,test={raw}/nope.jsonl"
+    with pytest.raises(td.DataError, match=rf"{raw}/nope.jsonl: file does not exist"):
+        td.run(tiny_dataset_args(raw, tokenizer_dir, str(tmp_path / "out"), sft_dataset=explicit))
+    with pytest.raises(td.DataError, match=r"/no/such/folder: file or folder does not exist"):
+        td.run(tiny_dataset_args(raw, tokenizer_dir, str(tmp_path / "out"), sft_dataset="/no/such/folder"))
+    with open(os.path.join(raw, "comparisons", "train.jsonl"), "a") as f:
+        f.write("\n{not json\n")
+    with pytest.raises(td.DataError, match=r"comparisons/train.jsonl: row 300 \(line 302\): invalid JSON"):
+        td.run(tiny_dataset_args(copy_raw(raw_dir, tmp_path / "x") if False else raw, tokenizer_dir,
+                                 str(tmp_path / "out"), sft_dataset=os.path.join(raw_dir, "tldr_sft")))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_response_longer_than_its_max_length_is_an_error(raw_dir, tokenizer_dir, tmp_path):
+    args = tiny_dataset_args(raw_dir, tokenizer_dir, str(tmp_path / "out"))
+    args.tldr_params.max_sft_response_length = 12
+    with pytest.raises(td.DataError, match=r"column 'reference_response_token': \d+ tokens > "
+                                           r"--tldr_params.max_sft_response_length 12"):
+        td.run(args)
+    args = tiny_dataset_args(raw_dir, tokenizer_dir, str(tmp_path / "out"))
+    args.cnndm_params.max_rm_query_response_length = 300
+    with pytest.raises(td.DataError, match=r"comparisons/validation.jsonl: row \d+ \(line \d+\): column 'query_\w+_token': "
+                                           r"\d+ tokens > --cnndm_params.max_rm_query_response_length 300"):
+        td.run(args)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_existing_output_needs_overwrite(raw_dir, tokenizer_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(FileExistsError):
+        td.run(tiny_dataset_args(raw_dir, tokenizer_dir, str(out)))
+    assert (out / "old.txt").exists()
+    td.run(tiny_dataset_args(raw_dir, tokenizer_dir, str(out), overwrite=True))
+    assert sorted(os.listdir(out)) == ["dataset_visuals", "preference", "sft", "stats.json"]
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_tokenizer_with_pad_equal_to_eos_is_rejected(tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    bad = AutoTokenizer.from_pretrained(tokenizer_dir)
+    bad.pad_token = bad.eos_token
+    bad.save_pretrained(tmp_path / "bad")
+    with pytest.raises(ValueError, match="equals EOS"):
+        td.load_tokenizer(str(tmp_path / "bad"))
+
+
+def test_tokenizer_without_pad_gets_a_dedicated_pad_token(tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    no_pad = AutoTokenizer.from_pretrained(tokenizer_dir)
+    no_pad.pad_token = None
+    no_pad.save_pretrained(tmp_path / "nopad")
+    tokenizer = td.load_tokenizer(str(tmp_path / "nopad"))
+    assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id != tokenizer.eos_token_id
+
+
+# ---------------------------------------------------------------------------------------------
+# determinism, processes, sources
+# ---------------------------------------------------------------------------------------------
+
+
+def tree_files(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files)
+
+
+def assert_same_tree(a, b):
+    files = tree_files(a)
+    assert files == tree_files(b)
+    match, mismatch, errors = filecmp.cmpfiles(a, b, files, shallow=False)
+    assert not mismatch and not errors, mismatch
+
+
+def test_output_is_identical_across_runs_and_process_counts(raw_dir, tokenizer_dir, tiny_datasets, tmp_path):
+    first, _ = tiny_datasets
+    td.run(tiny_dataset_args(raw_dir, tokenizer_dir, str(tmp_path / "again")))
+    assert_same_tree(first, str(tmp_path / "again"))
+    td.run(tiny_dataset_args(raw_dir, tokenizer_dir, str(tmp_path / "two"), num_proc=2))
+    assert_same_tree(first, str(tmp_path / "two"))
+
+
+def test_hub_schema_fixtures_take_the_same_code_path(tokenizer_dir, tmp_path, monkeypatch):
+    """Hand-written rows in the real hub schemas (nulls included), with the paper's lengths."""
+    import datasets
+    import huggingface_hub
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the hub was contacted")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_network)
+    monkeypatch.setattr(huggingface_hub, "HfApi", no_network)
+    out = str(tmp_path / "out")
+    args = td.Args(base_model=tokenizer_dir, sft_dataset=os.path.join(FIXTURES, "hub_schema", "tldr_sft"),
+                   preference_dataset=os.path.join(FIXTURES, "hub_schema", "comparisons"), output_dir=out)
+    # the tiny tokenizer spends more tokens on real English than Pythia's: longer responses allowed
+    args.tldr_params.max_sft_response_length = args.tldr_params.max_rm_response_length = 160
+    args.tldr_params.max_sft_query_response_length = args.tldr_params.max_rm_query_response_length = 672
+    args.cnndm_params.max_rm_response_length, args.cnndm_params.max_rm_query_response_length = 160, 2079
+    stats = td.run(args)
+    assert stats["rows"] == {"sft/train": 3, "sft/validation": 2, "sft/test": 2, "preference/train": 3,
+                             "preference/validation": 2, "preference/validation_cnndm": 3}
+    pref = load_from_disk(os.path.join(out, "preference"))
+    cnndm = pref["validation_cnndm"]
+    assert cnndm["batch"] == ["cnndm0", "cnndm2", "batch0_cnndm"]
+    assert all(len(t) == 1919 for t in cnndm["query_token"]) and all(len(t) == 512 for t in pref["train"]["query_token"])
+    assert all(len(t) == 672 for t in pref["train"]["query_chosen_token"])
+    assert cnndm[1]["info"]["title"] is None and cnndm[1]["info"]["site"] == "cnn"
+    assert cnndm[0]["query"].startswith("Article:\nThe town council voted 5-2")
+    assert pref["train"][1]["extra"]["confidence"] is None and pref["train"][0]["summaries"][1]["note"] == "too short"
+    assert pref["train"][1]["chosen_policy"] == "sup4_6b" and pref["train"][1]["rejected_policy"] == "ref"
+    sft = load_from_disk(os.path.join(out, "sft"))
+    assert sft["train"][1]["reference_response"] == \
+        " Car loan is gone, $400/month freed up. Emergency fund, Roth IRA, or more 401k?<|endoftext|>"
+    assert sft["test"][1]["query"].startswith("SUBREDDIT: r/legaladvice\n\nTITLE: [CA] Landlord kept")
+    assert all(len(t) == 512 for t in sft["validation"]["query_token"])
+    assert all(len(t) == 672 for t in sft["validation"]["query_reference_response_token"])
+
+
+def test_cli_runs_and_reports_bad_input(raw_dir, tokenizer_dir, tmp_path):
+    script = os.path.join(REPO, "summarize_from_feedback_details", "tldr_dataset.py")
+    flags = [f"--tldr_params.{k} {v}" for k, v in TINY_TLDR_PARAMS.items()]
+    flags += [f"--cnndm_params.{k} {v}" for k, v in TINY_CNNDM_PARAMS.items()]
+    cmd = [sys.executable, script, "--base_model", tokenizer_dir, "--sft_dataset", f"{raw_dir}/tldr_sft",
+           "--preference_dataset", f"{raw_dir}/comparisons", "--output_dir", str(tmp_path / "cli")]
+    cmd += " ".join(flags).split()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "observed maximum lengths" in result.stdout
+    assert sorted(os.listdir(tmp_path / "cli")) == ["dataset_visuals", "preference", "sft", "stats.json"]
+    bad = copy_raw(raw_dir, tmp_path)
+    rewrite_row(os.path.join(bad, "tldr_sft", "train.jsonl"), 4, lambda r: r.update(post=""))
+    cmd[cmd.index("--sft_dataset") + 1] = f"{bad}/tldr_sft"
+    cmd[cmd.index("--output_dir") + 1] = str(tmp_path / "cli2")
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1
+    assert f"error: {bad}/tldr_sft/train.jsonl: row 4 (line 5): column 'post': empty text" in result.stderr
+    assert not os.path.exists(tmp_path / "cli2")
