@@ -16,6 +16,7 @@ on the gold scores, so even a perfect reward model cannot reach 100% label accur
     python -m summarize_from_feedback_details.synthetic_tldr --output_dir data/raw
 """
 
+import contextlib
 import json
 import math
 import os
@@ -629,6 +630,24 @@ def label_statistics(rows: list) -> dict:
     }
 
 
+@contextlib.contextmanager
+def atomic_output_dir(path: str):
+    """Yields an empty sibling folder to fill. When the block succeeds it replaces `path` (the old
+    folder is removed only afterwards); when it fails it disappears and `path` is untouched."""
+    path = path.rstrip("/")
+    tmp, old = f"{path}.tmp-{os.getpid()}", f"{path}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _write_jsonl(path: str, rows: list) -> None:
     with open(path, "w") as f:
         for row in rows:
@@ -662,9 +681,7 @@ def generate(args: Args) -> dict:
         },
     }
 
-    tmp_dir = args.output_dir.rstrip("/") + f".tmp-{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    try:
+    with atomic_output_dir(args.output_dir) as tmp_dir:
         os.makedirs(os.path.join(tmp_dir, "tldr_sft"))
         os.makedirs(os.path.join(tmp_dir, "comparisons"))
         for split, rows in sft.items():
@@ -673,10 +690,6 @@ def generate(args: Args) -> dict:
             _write_jsonl(os.path.join(tmp_dir, "comparisons", f"{split}.jsonl"), rows)
         with open(os.path.join(tmp_dir, "label_stats.json"), "w") as f:
             json.dump(stats, f, indent=2, sort_keys=True)
-        shutil.rmtree(args.output_dir, ignore_errors=True)
-        os.replace(tmp_dir, args.output_dir)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
     return stats
 
 

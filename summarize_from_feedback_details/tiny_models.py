@@ -13,7 +13,6 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +22,8 @@ import tyro
 from rich.progress import Progress
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
+
+from summarize_from_feedback_details.synthetic_tldr import atomic_output_dir
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "[PAD]"
@@ -136,34 +137,27 @@ def build(args: Args) -> dict:
     ids = tokenizer([t for t in texts if not t.startswith(" ")])["input_ids"]
     token_stream = np.array([tok for seq in ids for tok in seq + [tokenizer.eos_token_id]], dtype=np.int64)
 
-    tmp_dir = args.output_dir.rstrip("/") + f".tmp-{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
     summary = {}
-    try:
-        with Progress() as progress:
-            for size in args.sizes:
-                name = f"pythia-tiny-{size}"
-                torch.manual_seed(args.seed)
-                model = GPTNeoXForCausalLM(model_config(size, vocab_size, tokenizer))
-                start = time.time()
-                loss = pretrain(model, token_stream, args, progress, name) if args.pretrain_steps > 0 else None
-                folder = os.path.join(tmp_dir, name)
-                model.save_pretrained(folder)
-                tokenizer.save_pretrained(folder)
-                summary[name] = {
-                    "parameters": sum(p.numel() for p in model.parameters()),
-                    "final_pretrain_loss": None if loss is None else round(loss, 4),
-                    "seconds": round(time.time() - start, 1),
-                }
+    with atomic_output_dir(args.output_dir) as tmp_dir, Progress() as progress:
+        for size in args.sizes:
+            name = f"pythia-tiny-{size}"
+            torch.manual_seed(args.seed)
+            model = GPTNeoXForCausalLM(model_config(size, vocab_size, tokenizer))
+            start = time.time()
+            loss = pretrain(model, token_stream, args, progress, name) if args.pretrain_steps > 0 else None
+            folder = os.path.join(tmp_dir, name)
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            summary[name] = {
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "final_pretrain_loss": None if loss is None else round(loss, 4),
+                "seconds": round(time.time() - start, 1),
+            }
         with open(os.path.join(tmp_dir, "models.json"), "w") as f:
             recipe = {k: v for k, v in vars(args).items() if k != "output_dir"}  # identical files wherever built
             json.dump({"args": recipe | {"sizes": list(args.sizes)}, "models": {
                 k: {"parameters": v["parameters"], "final_pretrain_loss": v["final_pretrain_loss"]}
                 for k, v in summary.items()}}, f, indent=2, sort_keys=True)
-        shutil.rmtree(args.output_dir, ignore_errors=True)
-        os.replace(tmp_dir, args.output_dir)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
     return summary
 
 

@@ -214,3 +214,17 @@ def test_long_posts_end_in_filler_only():
         assert {k: set(v) for k, v in st.extract_facts("\n\n".join(paragraphs[: core + 1])).items()} == \
             {k: set(v) for k, v in full.items()}
         assert len(paragraphs) > core + 1
+
+
+def test_atomic_output_dir_keeps_the_old_folder_on_failure(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with st.atomic_output_dir(str(target)) as tmp:
+            (tmp_path / os.path.basename(tmp) / "half.txt").write_text("half")
+            raise RuntimeError("boom")
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(target) == ["old.txt"]
+    with st.atomic_output_dir(str(target)) as tmp:
+        (tmp_path / os.path.basename(tmp) / "new.txt").write_text("new")
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(target) == ["new.txt"]
