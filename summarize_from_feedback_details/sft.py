@@ -1,0 +1,477 @@
+"""Supervised fine-tuning on TL;DR reference summaries (stage 1 of the paper's pipeline).
+
+    accelerate launch [--config_file deepspeed.yaml] summarize_from_feedback_details/sft.py \\
+        --base_model EleutherAI/pythia-1b-deduped --output_dir models/sft_model --run_eval
+    python summarize_from_feedback_details/sft.py --base_model models/tiny/pythia-tiny-s \\
+        --query_dataset data/tldr/sft --response_length 32 ...            # one process, CPU is fine
+
+The loss covers every non-pad token of `query_reference_response_token`, query included: this is
+what the paper's released checkpoints were trained with (`--response_only_loss` restricts it to the
+response). EOS is a real target. One update sees `batch_size` sequences; its loss is normalised
+over the whole global batch, so micro-batch size, gradient accumulation and process count never
+change the update.
+"""
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast, gather_object
+from datasets import load_dataset, load_from_disk
+from rich.console import Console
+from rich.progress import track
+from rouge_score import rouge_scorer
+from torch.utils.data import DataLoader
+from torch.utils.tensorboard import SummaryWriter
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+
+
+@dataclass
+class Args:
+    # common
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    seed: int = 1
+    run_name: Optional[str] = None
+    """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
+    deepspeed: bool = False
+    """assert that accelerate runs DeepSpeed and give it our micro-batch size"""
+    run_eval: bool = False
+    """after training: validation/test loss, generation at `temperature`, ROUGE, sample tables"""
+    print_sample_output_freq: int = 0
+    """every this many updates, generate for a few validation queries and log them (0: never)"""
+
+    # optimizer
+    lr: float = 3e-6
+    eps: float = 1e-5
+    weight_decay: float = 0.01
+    """AdamW weight decay (the paper's runs got 0.01 silently from torch's default)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping; 1.0 is what the paper's DeepSpeed runs got from accelerate's default. Applied
+    the same way with and without DeepSpeed, so the backend does not change the update"""
+    optimizer: Literal["adamw", "adam"] = "adamw"
+    scheduler: str = "cosine"
+    warm_up_steps: int = 0
+
+    # batch sizes; local_batch_size = local_micro_batch_size * gradient_accumulation_steps,
+    # batch_size = local_batch_size * world_size
+    num_train_epochs: int = 1
+    gradient_accumulation_steps: int = 16
+    local_micro_batch_size: int = 1
+    batch_size: Optional[int] = None
+    """global batch: if given, gradient_accumulation_steps is derived from it (must divide exactly)"""
+    local_eval_batch_size: int = 4
+    total_episodes: Optional[int] = None
+    """defaults to len(train split) * num_train_epochs"""
+    loss_normalization: Literal["sequence", "token"] = "sequence"
+    """`sequence`: mean over the global batch of each sequence's token-mean loss (what the paper's
+    runs computed, at micro-batch 1); `token`: mean over all target tokens of the global batch"""
+    response_only_loss: bool = False
+    """train on response tokens only (the dataset's `_response_label` column)"""
+
+    # model and data
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """hub name or a local `save_to_disk` folder from tldr_dataset.py"""
+    response_length: int = 53
+    temperature: float = 0.01
+
+    # tracking and output
+    track: bool = False
+    wandb_project_name: str = "tldr_summarize"
+    wandb_entity: Optional[str] = None
+    push_to_hub: bool = False
+    hf_entity: Optional[str] = None
+    output_dir: str = "models/sft_model"
+
+    # filled in at run time
+    world_size: Optional[int] = None
+    local_batch_size: Optional[int] = None
+    num_updates: Optional[int] = None
+
+
+TRAIN_COLUMNS = ("query_reference_response_token", "query_reference_response_token_response_label")
+EVAL_COLUMNS = ("query_token", "reference_response_token")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers (pure functions; tests import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def derive_batch_sizes(args: Args, world_size: int, dataset_len: int) -> None:
+    """Fills the derived batch fields; inexact divisions are errors."""
+    for name in ("local_micro_batch_size", "gradient_accumulation_steps", "local_eval_batch_size", "num_train_epochs"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    args.world_size = world_size
+    if args.batch_size is not None:
+        per_step = args.local_micro_batch_size * world_size
+        if args.batch_size % per_step:
+            raise ValueError(f"--batch_size {args.batch_size} is not divisible by local_micro_batch_size "
+                             f"{args.local_micro_batch_size} x world_size {world_size}")
+        args.gradient_accumulation_steps = args.batch_size // per_step
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * world_size
+    if args.total_episodes is None:
+        args.total_episodes = dataset_len * args.num_train_epochs
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        raise ValueError(f"total_episodes {args.total_episodes} < batch_size {args.batch_size}: no update possible")
+
+
+def epoch_permutations(n: int, epochs: int, seed: int) -> list:
+    """A fresh permutation of range(n) per epoch, from the global seed only (identical on all ranks)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [i for _ in range(epochs) for i in torch.randperm(n, generator=generator).tolist()]
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Index of the first True of each row, or the row length when there is none."""
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:
+    """Tokens strictly after the first EOS become pad; the EOS itself stays."""
+    eos_index = first_true_indices(responses == eos_id).unsqueeze(-1)
+    after = torch.arange(responses.shape[1], device=responses.device).view(1, -1) > eos_index
+    return torch.masked_fill(responses, after, pad_id)
+
+
+def forward(model, input_ids: torch.Tensor, pad_id: int):
+    """Pad ids become a valid id and are masked out; positions count real tokens only (so left
+    padding changes nothing, also for models with absolute positions)."""
+    attention_mask = input_ids != pad_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
+                 position_ids=position_ids, return_dict=True)
+
+
+def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
+    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` can never
+    be sampled (its logit is suppressed)."""
+    return GenerationConfig(
+        max_new_tokens=response_length, min_new_tokens=response_length, temperature=temperature + 1e-7,
+        top_k=0, top_p=1.0, do_sample=True, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+        suppress_tokens=[pad_id],
+    )
+
+
+@torch.no_grad()
+def generate(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig) -> torch.Tensor:
+    """Left-padded queries -> responses of exactly max_new_tokens tokens."""
+    attention_mask = queries != pad_id
+    output = model.generate(input_ids=torch.masked_fill(queries, ~attention_mask, 0), attention_mask=attention_mask,
+                            generation_config=config)
+    responses = output[:, queries.shape[1]:]
+    assert responses.shape[1] == config.max_new_tokens, "generation stopped early"
+    return responses
+
+
+def sequence_losses(logits: torch.Tensor, labels: torch.Tensor, pad_id: int) -> tuple:
+    """Per-sequence sum of next-token cross-entropy over non-pad labels, and the target counts."""
+    targets = labels[:, 1:]
+    mask = targets != pad_id
+    token_loss = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets.masked_fill(~mask, 0), reduction="none")
+    return (token_loss * mask).sum(1), mask.sum(1)
+
+
+def normalized_loss(loss_sums: torch.Tensor, counts: torch.Tensor, normalization: str, normalizer: float):
+    """Contribution of a micro-batch to the global objective. `normalizer` is the number of
+    sequences (`sequence`) or target tokens (`token`) of the whole global batch."""
+    if normalization == "sequence":
+        return (loss_sums / counts.clamp(min=1)).sum() / normalizer
+    return loss_sums.sum() / normalizer
+
+
+def rouge_scores(predictions: list, references: list) -> dict:
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)
+    scores = [scorer.score(ref, pred) for pred, ref in zip(predictions, references)]
+    return {k: float(np.mean([s[k].fmeasure for s in scores])) if scores else 0.0 for k in ("rouge1", "rouge2", "rougeL")}
+
+
+# ---------------------------------------------------------------------------------------------
+# setup helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def looks_local(path: str) -> bool:
+    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1
+
+
+def load_tokenizer(name: str):
+    if looks_local(name) and not os.path.isdir(name):
+        raise FileNotFoundError(f"model path {name} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="right")
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Pythia: a dedicated pad, never EOS
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(f"tokenizer {name}: pad token equals EOS ({tokenizer.eos_token!r}); EOS would never be "
+                         "learned. Use a dedicated pad token such as [PAD].")
+    return tokenizer
+
+
+def load_split_dataset(name: str, columns: tuple):
+    if looks_local(name):
+        if not os.path.isdir(name):
+            raise FileNotFoundError(f"dataset {name} does not exist (build it with tldr_dataset.py)")
+        dataset = load_from_disk(name)
+    else:
+        dataset = load_dataset(name)
+    for split, ds in dataset.items():
+        missing = [c for c in columns if c not in ds.column_names]
+        if missing:
+            raise ValueError(f"dataset {name} split {split} lacks columns {missing}; is it the SFT dataset "
+                             "written by tldr_dataset.py?")
+    return dataset
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+class Logger:
+    """TensorBoard + metrics.jsonl (+ wandb via TensorBoard sync) on the main process only."""
+
+    def __init__(self, args: Args, accelerator: Accelerator):
+        self.main = accelerator.is_main_process
+        self.folder = os.path.join("runs", args.run_name)
+        if not self.main:
+            return
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=args.run_name, save_code=True)
+        os.makedirs(self.folder, exist_ok=True)
+        self.writer = SummaryWriter(self.folder)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in asdict(args).items()))
+        with open(os.path.join(self.folder, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        self.jsonl = open(os.path.join(self.folder, "metrics.jsonl"), "a")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.main:
+            return
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+
+    def table(self, name: str, frame: pd.DataFrame) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.folder, f"{name}.csv"), index=False)
+
+    def close(self) -> None:
+        if self.main:
+            self.writer.close()
+            self.jsonl.close()
+            if "wandb" in __import__("sys").modules:
+                __import__("wandb").finish()
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(args: Args, accelerator: Accelerator, model, tokenizer, dataloader, gen_config,
+             max_batches: Optional[int] = None) -> tuple:
+    """Loss on query+reference, generation truncated after EOS, ROUGE; gathered without the
+    duplicates that sharding pads the last batch with."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    unwrapped = accelerator.unwrap_model(model)
+    loss_sums, counts, rows = [], [], []
+    for i, batch in enumerate(dataloader):
+        if max_batches is not None and i >= max_batches:
+            break
+        qr = batch["query_reference_response_token"]
+        labels = batch["query_reference_response_token_response_label"] if args.response_only_loss else qr
+        loss_sum, count = sequence_losses(forward(model, qr, pad_id).logits, labels, pad_id)
+        responses = truncate_response(generate(unwrapped, batch["query_token"], pad_id, gen_config), eos_id, pad_id)
+        loss_sum, count = accelerator.gather_for_metrics((loss_sum, count))
+        loss_sums.append(loss_sum.cpu())
+        counts.append(count.cpu())
+        rows += accelerator.gather_for_metrics([
+            {"query": q, "postprocessed_response": r, "reference_responses": ref}
+            for q, r, ref in zip(
+                tokenizer.batch_decode(batch["query_token"], skip_special_tokens=True),
+                tokenizer.batch_decode(responses, skip_special_tokens=True),
+                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True),
+            )
+        ], use_gather_object=True)
+    loss_sums, counts = torch.cat(loss_sums), torch.cat(counts)
+    loss = normalized_loss(loss_sums, counts, args.loss_normalization,
+                           len(counts) if args.loss_normalization == "sequence" else counts.sum().item())
+    table = pd.DataFrame(rows)
+    metrics = {"loss": loss.item(), **rouge_scores(list(table["postprocessed_response"]),
+                                                    list(table["reference_responses"]))}
+    return metrics, table
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    # `batch_size` may set the accumulation steps: derive them before the Accelerator exists
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # CPU processes (tests, laptops) talk over gloo; a single plain process needs no group at all
+    distributed_cpu = "WORLD_SIZE" in os.environ and not torch.cuda.is_available()
+    kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else []
+    dataset = load_split_dataset(args.query_dataset, TRAIN_COLUMNS + EVAL_COLUMNS)
+    derive_batch_sizes(args, world_size, len(dataset["train"]))
+    accelerator = Accelerator(
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        kwargs_handlers=kwargs_handlers,
+    )
+    assert accelerator.num_processes == world_size, (accelerator.num_processes, world_size)
+    console = Console()
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
+    if args.deepspeed and deepspeed_plugin is None:
+        raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
+                         "(accelerate launch --config_file deepspeed.yaml ...)")
+    if deepspeed_plugin is not None:
+        # our loader yields whole local batches: tell DeepSpeed the real micro-batch and clipping
+        deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
+        deepspeed_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+
+    # run name: rank 0's clock, broadcast so every rank logs under one name
+    stamp = broadcast(torch.tensor(int(time.time()), device=accelerator.device), 0).item()
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{stamp}"
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    torch.backends.cudnn.deterministic = True
+    if accelerator.is_main_process:
+        console.print(f"world_size {world_size} x local_micro_batch_size {args.local_micro_batch_size} x "
+                      f"gradient_accumulation_steps {args.gradient_accumulation_steps} = batch_size {args.batch_size}; "
+                      f"{args.num_updates} updates over {args.total_episodes} episodes "
+                      f"({args.total_episodes - args.num_updates * args.batch_size} left over); "
+                      f"weight_decay {args.weight_decay}; loss over "
+                      f"{'response' if args.response_only_loss else 'all non-pad'} tokens, {args.loss_normalization}-normalised")
+
+    tokenizer = load_tokenizer(args.base_model)
+    pad_id = tokenizer.pad_token_id
+    model = AutoModelForCausalLM.from_pretrained(args.base_model)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    disable_dropout(model)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+    optimizer = optimizer_class(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.scheduler, optimizer=optimizer, num_warmup_steps=args.warm_up_steps,
+                              num_training_steps=args.num_updates)
+
+    train = dataset["train"].with_format("torch", columns=list(TRAIN_COLUMNS))
+    eval_sets = {s: dataset[s].with_format("torch", columns=list(TRAIN_COLUMNS + EVAL_COLUMNS))
+                 for s in ("validation", "test") if s in dataset}
+    # one explicit order for every rank and world size; accelerate hands rank r the local batches
+    # r, r + world_size, ..., so global batch k is always order[k * batch_size : (k + 1) * batch_size]
+    order = epoch_permutations(len(train), args.num_train_epochs, args.seed)
+    train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True)
+    eval_loaders = {s: DataLoader(ds, batch_size=args.local_eval_batch_size) for s, ds in eval_sets.items()}
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    eval_loaders = {s: accelerator.prepare(dl) for s, dl in eval_loaders.items()}
+    gen_config = generation_config(args.response_length, args.temperature, pad_id)
+    logger = Logger(args, accelerator)
+    label_column = TRAIN_COLUMNS[1] if args.response_only_loss else TRAIN_COLUMNS[0]
+
+    model.train()
+    update = 0
+    start = time.time()
+    for batch in track(train_loader, total=args.num_updates, description="sft", disable=not accelerator.is_main_process):
+        if update == args.num_updates:
+            break
+        update += 1
+        queries_responses, labels = batch[TRAIN_COLUMNS[0]], batch[label_column]
+        # normaliser of the global batch, known before the first micro-batch's backward
+        if args.loss_normalization == "sequence":
+            normalizer = float(args.batch_size)
+        else:
+            normalizer = accelerator.reduce((labels[:, 1:] != pad_id).sum(), "sum").item()
+        loss_total = torch.zeros((), device=accelerator.device)
+        for micro_start in range(0, args.local_batch_size, args.local_micro_batch_size):
+            micro = slice(micro_start, micro_start + args.local_micro_batch_size)
+            with accelerator.accumulate(model):
+                loss_sum, count = sequence_losses(forward(model, queries_responses[micro], pad_id).logits,
+                                                  labels[micro], pad_id)
+                loss = normalized_loss(loss_sum, count, args.loss_normalization, normalizer)
+                # accelerate divides by the accumulation steps and DDP averages over ranks: undo
+                # both so the gradient is exactly that of the global-batch objective
+                accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
+                if accelerator.sync_gradients:  # (DeepSpeed clips inside its own step)
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            loss_total += loss.detach()
+        scheduler.step()
+        metrics = {
+            "train/sft/loss": accelerator.reduce(loss_total, "sum").item(),
+            "train/sft/lr": scheduler.get_last_lr()[0],
+            "train/sft/episode": update * args.batch_size,
+            "train/sft/eps": update * args.batch_size / (time.time() - start),
+        }
+        logger.log(metrics, update)
+        if args.print_sample_output_freq and update % args.print_sample_output_freq == 0 and "validation" in eval_loaders:
+            model.eval()
+            sample_metrics, table = evaluate(args, accelerator, model, tokenizer, eval_loaders["validation"],
+                                             gen_config, max_batches=1)
+            model.train()
+            logger.table(f"samples_{update}", table)
+            if accelerator.is_main_process:
+                console.print(f"update {update}: loss {metrics['train/sft/loss']:.4f}; "
+                              f"{table.iloc[0]['postprocessed_response']!r}")
+
+    if args.run_eval:
+        model.eval()
+        for split, loader in eval_loaders.items():
+            eval_metrics, table = evaluate(args, accelerator, model, tokenizer, loader, gen_config)
+            logger.log({f"{split}/sft/{'rouge/' if k.startswith('rouge') else ''}{k}": v
+                        for k, v in eval_metrics.items()}, update)
+            logger.table(f"{split}_table", table)
+            if accelerator.is_main_process:
+                console.print(f"{split}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+
+    if args.output_dir and args.num_train_epochs > 0:
+        accelerator.wait_for_everyone()
+        state_dict = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(args.output_dir)
+            accelerator.unwrap_model(model).save_pretrained(args.output_dir, state_dict=state_dict,
+                                                            safe_serialization=True)
+            if args.push_to_hub:
+                push_to_hub(args, accelerator.unwrap_model(model), tokenizer, state_dict)
+    logger.close()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def push_to_hub(args: Args, model, tokenizer, state_dict) -> None:
+    from huggingface_hub import HfApi
+
+    entity = args.hf_entity or HfApi().whoami()["name"]
+    repo_id = f"{entity}/{args.base_model.replace('/', '_')}__{args.exp_name}__tldr"
+    tokenizer.push_to_hub(repo_id, revision=args.run_name)
+    model.push_to_hub(repo_id, revision=args.run_name, state_dict=state_dict, safe_serialization=True)
+    print(f"pushed https://huggingface.co/{repo_id}/tree/{args.run_name}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
