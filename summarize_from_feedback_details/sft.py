@@ -70,7 +70,7 @@ class Args:
     """global batch: if given, gradient_accumulation_steps is derived from it (must divide exactly)"""
     local_eval_batch_size: int = 4
     total_episodes: Optional[int] = None
-    """defaults to len(train split) * num_train_epochs"""
+    """defaults to len(train split) * num_train_epochs; more than one pass reshuffles per pass"""
     loss_normalization: Literal["sequence", "token"] = "sequence"
     """`sequence`: mean over the global batch of each sequence's token-mean loss (what the paper's
     runs computed, at micro-batch 1); `token`: mean over all target tokens of the global batch"""
@@ -170,6 +170,10 @@ def generation_config(response_length: int, temperature: float, pad_id: int) -> 
 @torch.no_grad()
 def generate(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig) -> torch.Tensor:
     """Left-padded queries -> responses of exactly max_new_tokens tokens."""
+    # generate() fills unset fields from the model's own generation config: an EOS id there would
+    # make min_new_tokens suppress EOS at every step, so the policy could never emit it
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
     attention_mask = queries != pad_id
     output = model.generate(input_ids=torch.masked_fill(queries, ~attention_mask, 0), attention_mask=attention_mask,
                             generation_config=config)
@@ -372,8 +376,6 @@ def main(args: Args) -> None:
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     disable_dropout(model)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
     optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
     optimizer = optimizer_class(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.scheduler, optimizer=optimizer, num_warmup_steps=args.warm_up_steps,
@@ -384,7 +386,7 @@ def main(args: Args) -> None:
                  for s in ("validation", "test") if s in dataset}
     # one explicit order for every rank and world size; accelerate hands rank r the local batches
     # r, r + world_size, ..., so global batch k is always order[k * batch_size : (k + 1) * batch_size]
-    order = epoch_permutations(len(train), args.num_train_epochs, args.seed)
+    order = epoch_permutations(len(train), -(-args.total_episodes // len(train)), args.seed)
     train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True)
     eval_loaders = {s: DataLoader(ds, batch_size=args.local_eval_batch_size) for s, ds in eval_sets.items()}
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)

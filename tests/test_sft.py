@@ -1,0 +1,263 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+
+from summarize_from_feedback_details import sft
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "sft.py")
+DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu.yaml")
+
+
+# ---------------------------------------------------------------------------------------------
+# pure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_first_true_indices_and_truncate_after_eos():
+    eos, pad = 0, 1
+    responses = torch.tensor([
+        [5, 0, 7, 0, 8],   # EOS at 1: later tokens (and a second EOS) become pad
+        [5, 6, 7, 8, 0],   # EOS last
+        [5, 6, 7, 8, 9],   # no EOS: unchanged
+        [0, 6, 7, 8, 9],   # EOS first
+    ])
+    assert sft.first_true_indices(responses == eos).tolist() == [1, 4, 5, 0]
+    assert sft.truncate_response(responses, eos, pad).tolist() == [
+        [5, 0, 1, 1, 1], [5, 6, 7, 8, 0], [5, 6, 7, 8, 9], [0, 1, 1, 1, 1]]
+
+
+def test_sequence_losses_known_answer():
+    pad = 1
+    logits = torch.zeros(2, 4, 3)
+    logits[0, 0, 2] = 10.0  # predicts label 2 at position 1 almost surely
+    labels = torch.tensor([[0, 2, 0, 1], [0, 0, 1, 1]])  # pads are ignored
+    sums, counts = sft.sequence_losses(logits, labels, pad)
+    log3 = torch.log(torch.tensor(3.0))
+    expected0 = -torch.log_softmax(logits[0, 0], -1)[2] + log3  # targets 2 (confident) and 0 (uniform)
+    assert counts.tolist() == [2, 1]
+    assert torch.allclose(sums, torch.stack([expected0, log3]), atol=1e-6)
+    seq = sft.normalized_loss(sums, counts, "sequence", 2.0)
+    tok = sft.normalized_loss(sums, counts, "token", 3.0)
+    assert torch.allclose(seq, (sums[0] / 2 + sums[1]) / 2)
+    assert torch.allclose(tok, sums.sum() / 3)
+
+
+def test_loss_normalisation_is_additive_over_micro_batches():
+    """Summing micro-batch contributions gives the same objective for any split of the batch."""
+    torch.manual_seed(0)
+    sums, counts = torch.rand(8) * 10, torch.randint(1, 20, (8,))
+    for normalization, normalizer in (("sequence", 8.0), ("token", counts.sum().item())):
+        whole = sft.normalized_loss(sums, counts, normalization, normalizer)
+        for micro in (1, 2, 4):
+            parts = sum(sft.normalized_loss(sums[i:i + micro], counts[i:i + micro], normalization, normalizer)
+                        for i in range(0, 8, micro))
+            assert torch.allclose(parts, whole, atol=1e-6)
+
+
+def test_derive_batch_sizes():
+    args = sft.Args(local_micro_batch_size=2, gradient_accumulation_steps=4)
+    sft.derive_batch_sizes(args, world_size=2, dataset_len=1000)
+    assert (args.local_batch_size, args.batch_size, args.total_episodes, args.num_updates) == (8, 16, 1000, 62)
+    args = sft.Args(local_micro_batch_size=2, batch_size=32)
+    sft.derive_batch_sizes(args, world_size=4, dataset_len=64)
+    assert args.gradient_accumulation_steps == 4 and args.num_updates == 2
+    with pytest.raises(ValueError, match="not divisible"):
+        sft.derive_batch_sizes(sft.Args(local_micro_batch_size=3, batch_size=32), world_size=2, dataset_len=64)
+    with pytest.raises(ValueError, match="no update possible"):
+        sft.derive_batch_sizes(sft.Args(total_episodes=8, local_micro_batch_size=4, gradient_accumulation_steps=4),
+                               world_size=1, dataset_len=64)
+    with pytest.raises(ValueError, match="local_micro_batch_size must be >= 1"):
+        sft.derive_batch_sizes(sft.Args(local_micro_batch_size=0), world_size=1, dataset_len=64)
+
+
+def test_epoch_permutations():
+    order = sft.epoch_permutations(10, 2, seed=3)
+    assert sorted(order[:10]) == list(range(10)) and sorted(order[10:]) == list(range(10))
+    assert order[:10] != order[10:]
+    assert order == sft.epoch_permutations(10, 2, seed=3) and order != sft.epoch_permutations(10, 2, seed=4)
+
+
+def tiny_lm(kind: str, vocab: int = 40):
+    torch.manual_seed(0)
+    if kind == "gpt2":  # absolute position embeddings
+        return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                          bos_token_id=0, eos_token_id=0)).eval()
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                            intermediate_size=64, bos_token_id=0, eos_token_id=0)).eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox", "gpt2"])
+def test_forward_and_generate_ignore_left_padding(kind):
+    pad = 1
+    model = tiny_lm(kind)
+    text = torch.tensor([[5, 6, 7, 8, 9]])
+    padded = torch.tensor([[pad, pad, pad, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        a = sft.forward(model, text, pad).logits[:, -1]
+        b = sft.forward(model, padded, pad).logits[:, -1]
+    assert torch.allclose(a, b, atol=1e-5)
+    config = sft.generation_config(6, 0.01, pad)
+    torch.manual_seed(1)
+    ra = sft.generate(model, text, pad, config)
+    torch.manual_seed(1)
+    rb = sft.generate(model, padded, pad, config)
+    assert ra.shape == (1, 6) and torch.equal(ra, rb)
+
+
+def test_pad_is_never_sampled_and_length_is_exact():
+    """At T=1 a random 40-token model would sample [PAD] ~10 times in 400 draws; it never does, and
+    EOS (id 0) does not stop generation."""
+    pad, eos = 1, 0
+    model = tiny_lm("gpt_neox")
+    queries = torch.tensor([[pad, 5, 6], [7, 8, 9]])
+    torch.manual_seed(0)
+    responses = sft.generate(model, queries, pad, sft.generation_config(200, 1.0, pad))
+    assert responses.shape == (2, 200)
+    assert (responses != pad).all()
+    first_eos = sft.first_true_indices(responses == eos)
+    assert (first_eos < 150).all()  # EOS was sampled early, and generation went on to 200 tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# runs of the script
+# ---------------------------------------------------------------------------------------------
+
+
+def run_sft(tiny_datasets, tokenizer_dir, tmp_path, name, *flags, launcher=()):
+    data_dir, _ = tiny_datasets
+    cmd = [*launcher] if launcher else [sys.executable]
+    cmd += [SCRIPT, "--base_model", tokenizer_dir, "--query_dataset", os.path.join(data_dir, "sft"),
+            "--response_length", "32", "--lr", "3e-3", "--seed", "3", "--run_name", name,
+            "--output_dir", str(tmp_path / name), *flags]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    if "--multi_gpu" in launcher:  # DDP over gloo on CPU (with DeepSpeed this flag would drop the plugin)
+        env["ACCELERATE_USE_CPU"] = "1"
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "runs" / name / "metrics.jsonl") as f:
+        metrics = [json.loads(line) for line in f]
+    return result, metrics, load_file(str(tmp_path / name / "model.safetensors"))
+
+
+def accelerate(num_processes, config=None):
+    base = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch"]
+    if config:
+        return base + ["--config_file", config, "--num_processes", str(num_processes)]
+    return base + ["--multi_gpu", "--num_processes", str(num_processes)]
+
+
+def assert_same_params(a, b, rtol=1e-5, atol=1e-6):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=rtol, atol=atol), (key, (a[key] - b[key]).abs().max())
+
+
+def losses(metrics):
+    return [m["train/sft/loss"] for m in metrics if "train/sft/loss" in m]
+
+
+@pytest.mark.parametrize("normalization", ["sequence", "token"])
+def test_micro_batch_split_gives_the_same_update(tiny_datasets, tokenizer_dir, tmp_path, normalization):
+    """A fixed local batch of 4: micro-batch 1 x accumulation 4 == micro-batch 4 x accumulation 1."""
+    common = ("--total_episodes", "4", "--loss_normalization", normalization)
+    _, m1, p1 = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "micro1", "--local_micro_batch_size", "1",
+                        "--gradient_accumulation_steps", "4", *common)
+    _, m4, p4 = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "micro4", "--local_micro_batch_size", "4",
+                        "--gradient_accumulation_steps", "1", *common)
+    assert losses(m1) == pytest.approx(losses(m4), rel=1e-6)
+    assert_same_params(p1, p4)
+    # and the update really moved the weights
+    assert any(not torch.equal(p1[k], p4[k] * 0 + load_file(os.path.join(tokenizer_dir, "model.safetensors"))[k])
+               for k in p1)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tiny_datasets, tokenizer_dir, tmp_path):
+    """Global batch 8 for 3 updates: one process x 8 == two processes x 4 (gloo, DDP)."""
+    common = ("--total_episodes", "24", "--local_micro_batch_size", "2")
+    _, one, p_one = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "one", "--gradient_accumulation_steps", "4", *common)
+    result, two, p_two = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "two", "--gradient_accumulation_steps", "2",
+                                 *common, launcher=accelerate(2))
+    assert "world_size 2" in result.stdout
+    assert len(losses(one)) == 3
+    assert losses(one) == pytest.approx(losses(two), rel=1e-5)  # float reduction order differs slightly
+    assert_same_params(p_one, p_two, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_deepspeed_zero2_matches_ddp(tiny_datasets, tokenizer_dir, tmp_path, num_processes):
+    common = ("--total_episodes", "16", "--local_micro_batch_size", "2", "--gradient_accumulation_steps",
+              str(4 // num_processes))
+    _, plain, p_plain = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "plain", "--total_episodes", "16",
+                                "--local_micro_batch_size", "2", "--gradient_accumulation_steps", "4")
+    _, ds, p_ds = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "ds", "--deepspeed", *common,
+                          launcher=accelerate(num_processes, DS_CONFIG))
+    assert losses(plain) == pytest.approx(losses(ds), rel=1e-5)
+    assert_same_params(p_plain, p_ds, rtol=1e-4, atol=1e-6)
+
+
+def test_deepspeed_flag_without_deepspeed_is_an_error(tiny_datasets, tokenizer_dir, tmp_path):
+    data_dir, _ = tiny_datasets
+    result = subprocess.run([sys.executable, SCRIPT, "--base_model", tokenizer_dir, "--query_dataset",
+                             os.path.join(data_dir, "sft"), "--deepspeed", "--output_dir", str(tmp_path / "x")],
+                            capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert result.returncode != 0 and "accelerate is not configured for DeepSpeed" in result.stderr
+
+
+@pytest.mark.slow
+def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_datasets, tokenizer_dir, tmp_path):
+    common = ("--local_micro_batch_size", "16", "--gradient_accumulation_steps", "1", "--run_eval",
+              "--local_eval_batch_size", "64")
+    result, trained, _ = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "trained", "--total_episodes", "640",
+                                 "--lr", "1e-3", "--track", *common)
+    train_loss = losses(trained)
+    assert len(train_loss) == 40  # 640 episodes of 300 rows: reshuffled passes, not a silent early stop
+    assert train_loss[-1] < train_loss[0] - 1.0
+    evals = {k: v for m in trained for k, v in m.items() if k.startswith(("validation/", "test/"))}
+    assert set(evals) == {f"{s}/sft/{k}" for s in ("validation", "test")
+                          for k in ("loss", "rouge/rouge1", "rouge/rouge2", "rouge/rougeL")}
+    import pandas as pd
+
+    table = pd.read_csv(tmp_path / "runs" / "trained" / "validation_table.csv")
+    assert list(table.columns) == ["query", "postprocessed_response", "reference_responses"]
+    assert len(table) == 60  # every validation row once: no sharding duplicates
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "trained")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "trained")
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id and model.config.model_type == "gpt_neox"
+    assert os.path.isdir(tmp_path / "wandb")  # --track wrote an offline wandb run
+
+
+def test_clear_errors(tiny_datasets, tokenizer_dir, tmp_path):
+    data_dir, _ = tiny_datasets
+
+    def fails(*flags):
+        result = subprocess.run([sys.executable, SCRIPT, *flags, "--output_dir", str(tmp_path / "x")],
+                                capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        assert result.returncode != 0
+        return result.stderr
+
+    sft_data = os.path.join(data_dir, "sft")
+    assert "lacks columns" in fails("--base_model", tokenizer_dir, "--query_dataset", os.path.join(data_dir, "preference"))
+    assert "/no/such/model does not exist" in fails("--base_model", "/no/such/model", "--query_dataset", sft_data)
+    assert "does not exist (build it with tldr_dataset.py)" in fails("--base_model", tokenizer_dir, "--query_dataset", "./nope")
+    assert "not divisible" in fails("--base_model", tokenizer_dir, "--query_dataset", sft_data,
+                                    "--local_micro_batch_size", "3", "--batch_size", "16")
+    from transformers import AutoTokenizer
+
+    bad = AutoTokenizer.from_pretrained(tokenizer_dir)
+    bad.pad_token = bad.eos_token
+    bad.save_pretrained(tmp_path / "badtok")
+    for f in os.listdir(tokenizer_dir):
+        if not f.startswith("tokenizer"):
+            os.symlink(os.path.join(tokenizer_dir, f), tmp_path / "badtok" / f)
+    assert "pad token equals EOS" in fails("--base_model", str(tmp_path / "badtok"), "--query_dataset", sft_data)
