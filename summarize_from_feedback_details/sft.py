@@ -15,6 +15,7 @@ change the update.
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast, gather_object
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast
 from datasets import load_dataset, load_from_disk
 from rich.console import Console
 from rich.progress import track
@@ -283,8 +284,8 @@ class Logger:
         if self.main:
             self.writer.close()
             self.jsonl.close()
-            if "wandb" in __import__("sys").modules:
-                __import__("wandb").finish()
+            if "wandb" in sys.modules:
+                sys.modules["wandb"].finish()
 
 
 # ---------------------------------------------------------------------------------------------

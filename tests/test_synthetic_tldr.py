@@ -101,8 +101,6 @@ def _example(seed=3):
 
 
 def test_gold_judge_known_answers():
-    facts = {"relation": "roommate", "problem": "rent", "ask": "move", "feeling": "angry",
-             "duration": (3, "years"), "age": 25, "gender": "F", "other_age": 27, "other_gender": "M"}
     post = ("I (25F) have lived with my roommate (27M) for 3 years. We met at the gym a while ago.\n\n"
             "Lately they has not paid rent in months. I am so angry right now.\n\nShould I just move out?")
     perfect = " my roommate of 3 years has not paid rent, I feel angry. should I move out?"

@@ -264,8 +264,7 @@ def test_missing_file_and_bad_json(raw_dir, tokenizer_dir, tmp_path):
     with open(os.path.join(raw, "comparisons", "train.jsonl"), "a") as f:
         f.write("\n{not json\n")
     with pytest.raises(td.DataError, match=r"comparisons/train.jsonl: row 300 \(line 302\): invalid JSON"):
-        td.run(tiny_dataset_args(copy_raw(raw_dir, tmp_path / "x") if False else raw, tokenizer_dir,
-                                 str(tmp_path / "out"), sft_dataset=os.path.join(raw_dir, "tldr_sft")))
+        td.run(tiny_dataset_args(raw, tokenizer_dir, str(tmp_path / "out"), sft_dataset=os.path.join(raw_dir, "tldr_sft")))
     assert not os.path.exists(tmp_path / "out")
 
 
