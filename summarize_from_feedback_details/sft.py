@@ -226,7 +226,7 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_split_dataset(name: str, columns: tuple):
+def load_split_dataset(name: str, columns: tuple, kind: str = "SFT"):
     if looks_local(name):
         if not os.path.isdir(name):
             raise FileNotFoundError(f"dataset {name} does not exist (build it with tldr_dataset.py)")
@@ -236,7 +236,7 @@ def load_split_dataset(name: str, columns: tuple):
     for split, ds in dataset.items():
         missing = [c for c in columns if c not in ds.column_names]
         if missing:
-            raise ValueError(f"dataset {name} split {split} lacks columns {missing}; is it the SFT dataset "
+            raise ValueError(f"dataset {name} split {split} lacks columns {missing}; is it the {kind} dataset "
                              "written by tldr_dataset.py?")
     return dataset
 
@@ -373,7 +373,9 @@ def main(args: Args) -> None:
 
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
-    model = AutoModelForCausalLM.from_pretrained(args.base_model)
+    # fp32 master weights whatever the checkpoint's dtype (transformers 5 keeps the hub Pythia
+    # checkpoints' fp16); mixed precision is accelerate's job
+    model = AutoModelForCausalLM.from_pretrained(args.base_model, dtype=torch.float32)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     disable_dropout(model)
@@ -452,13 +454,12 @@ def main(args: Args) -> None:
             if accelerator.is_main_process:
                 console.print(f"{split}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
 
-    if args.output_dir and args.num_train_epochs > 0:
+    if args.output_dir:
         accelerator.wait_for_everyone()
         state_dict = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
             tokenizer.save_pretrained(args.output_dir)
-            accelerator.unwrap_model(model).save_pretrained(args.output_dir, state_dict=state_dict,
-                                                            safe_serialization=True)
+            accelerator.unwrap_model(model).save_pretrained(args.output_dir, state_dict=state_dict)
             if args.push_to_hub:
                 push_to_hub(args, accelerator.unwrap_model(model), tokenizer, state_dict)
     logger.close()
@@ -472,7 +473,7 @@ def push_to_hub(args: Args, model, tokenizer, state_dict) -> None:
     entity = args.hf_entity or HfApi().whoami()["name"]
     repo_id = f"{entity}/{args.base_model.replace('/', '_')}__{args.exp_name}__tldr"
     tokenizer.push_to_hub(repo_id, revision=args.run_name)
-    model.push_to_hub(repo_id, revision=args.run_name, state_dict=state_dict, safe_serialization=True)
+    model.push_to_hub(repo_id, revision=args.run_name, state_dict=state_dict)
     print(f"pushed https://huggingface.co/{repo_id}/tree/{args.run_name}")
 
 

@@ -127,6 +127,21 @@ def test_gold_judge_known_answers():
     assert st.gold_score(query, perfect) == st.gold_score(post, perfect)
 
 
+def test_reward_gold_agreement_known_answers():
+    post = ("I (25F) have lived with my roommate (27M) for 3 years.\n\nLately they has not paid rent in months. "
+            "I am so angry right now.\n\nShould I just move out?")
+    good = " my roommate of 3 years has not paid rent, I feel angry. should I move out?"
+    poor = " roommate owes rent."
+    # pairs: the gold judge prefers the first summary of rows 0-2 and ties on row 3
+    queries, chosen, rejected = [post] * 4, [good, poor, good, good], [poor, good, poor, good]
+    # the model: agrees (1), agrees (1; prefers the rejected `good`), ties (0.5), judge ties (0.5)
+    chosen_rewards, rejected_rewards = [2.0, -1.0, 0.3, 5.0], [1.0, 0.5, 0.3, 1.0]
+    assert st.reward_gold_agreement(queries, chosen, rejected, chosen_rewards, rejected_rewards) == 3 / 4
+    assert st.reward_gold_agreement(queries[:1], chosen[:1], rejected[:1], [0.0], [1.0]) == 0.0
+    with pytest.raises(ValueError):  # columns of different lengths are a bug, not a shorter table
+        st.reward_gold_agreement(queries, chosen, rejected[:2], chosen_rewards, rejected_rewards)
+
+
 def test_a_wrong_fact_loses_to_the_reference():
     for seed in range(50):
         rng, facts, post = _example(seed)

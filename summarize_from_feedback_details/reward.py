@@ -1,0 +1,610 @@
+"""Reward-model training on TL;DR preference pairs (stage 2 of the paper's pipeline).
+
+    accelerate launch [--config_file deepspeed.yaml] summarize_from_feedback_details/reward.py \\
+        --base_model EleutherAI/pythia-1b-deduped --sft_model_path models/sft_model --run_eval
+    python summarize_from_feedback_details/reward.py --base_model models/tiny/pythia-tiny-s \\
+        --sft_model_path models/tiny/pythia-tiny-s --label_dataset data/tldr/preference \\
+        --query_dataset data/tldr/sft --run_eval                          # one process, CPU is fine
+
+The reward model is the SFT backbone plus a scalar head, read at the last non-pad token of a
+right-padded query+response row, which is the response's EOS. Loss `-logsigmoid(r_chosen -
+r_rejected)`, averaged over the global batch of pairs, so micro-batch size, gradient accumulation
+and process count never change the update. After training the rewards of the SFT train
+references are shifted to mean 0.
+
+The saved model is a plain `AutoModelForSequenceClassification` (num_labels=1, `config.pad_token_id`
+= [PAD]), loadable offline without trust_remote_code:
+
+    model = AutoModelForSequenceClassification.from_pretrained("models/reward_model")
+    reward = model(input_ids, attention_mask=input_ids != pad_id).logits[:, 0]   # already normalised
+
+HF picks the rightmost non-pad token, i.e. the EOS of a right-padded row, so that line gives the
+same reward as training. With LEFT padding it also picks the right token, but plain HF then counts
+positions from the first pad: rotary models (Pythia) are unaffected up to float noise, models with
+absolute positions (GPT-2) are not; pass `position_ids = cumsum(mask) - 1` as `get_reward` does.
+
+Where the normalisation lives: HF's `score` layer has no bias, so "reward - mean" cannot be a head
+bias. It is folded, exactly, into the bias of the final layer norm (whose output is what `score`
+reads): adding `-mean * w / |w|^2` to that bias adds `-mean` to `w . h` at every position. No extra
+line is needed when loading, and a critic initialised from this model inherits the shift at every
+token, like the original's `config.bias`.
+"""
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast
+from datasets import load_dataset, load_from_disk
+from rich.console import Console
+from rich.progress import track
+from torch.utils.data import DataLoader
+from torch.utils.tensorboard import SummaryWriter
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
+
+
+@dataclass
+class Args:
+    # common
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    seed: int = 1
+    run_name: Optional[str] = None
+    """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
+    deepspeed: bool = False
+    """assert that accelerate runs DeepSpeed and give it our micro-batch size"""
+    run_eval: bool = False
+    """after training: accuracy on `validation` and `validation_cnndm`, by split, batch and confidence"""
+
+    # optimizer
+    lr: float = 3e-6
+    eps: float = 1e-5
+    weight_decay: float = 0.01
+    """AdamW weight decay (the paper's runs got 0.01 silently from torch's default)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping; 1.0 is what the paper's DeepSpeed runs got from accelerate's default. Applied
+    the same way with and without DeepSpeed, so the backend does not change the update"""
+    optimizer: Literal["adamw", "adam"] = "adamw"
+    scheduler: str = "cosine"
+    warm_up_steps: int = 0
+
+    # batch sizes (in preference pairs); local_batch_size = local_micro_batch_size *
+    # gradient_accumulation_steps, batch_size = local_batch_size * world_size
+    num_train_epochs: int = 1
+    gradient_accumulation_steps: int = 8
+    local_micro_batch_size: int = 1
+    batch_size: Optional[int] = None
+    """global batch: if given, gradient_accumulation_steps is derived from it (must divide exactly)"""
+    local_eval_batch_size: int = 1
+    """pairs per process in eval and rows per process in the normalisation pass"""
+    total_episodes: Optional[int] = None
+    """defaults to len(train split) * num_train_epochs"""
+
+    # model and data
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    """the tokenizer (and the hub repo name with --push_to_hub)"""
+    sft_model_path: str = "models/sft_model"
+    """the backbone of the reward model (a causal-LM checkpoint; its LM head is dropped)"""
+    reward_model_path: str = ""
+    """continue from a saved reward model (head included); "" starts from the SFT checkpoint"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """the SFT dataset (hub name or local folder); only its train references are used, to normalise"""
+    label_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
+    """the preference dataset (hub name or a local `save_to_disk` folder from tldr_dataset.py)"""
+
+    # tracking and output
+    track: bool = False
+    wandb_project_name: str = "tldr_summarize"
+    wandb_entity: Optional[str] = None
+    push_to_hub: bool = False
+    hf_entity: Optional[str] = None
+    output_dir: str = "models/reward_model"
+
+    # filled in at run time
+    world_size: Optional[int] = None
+    local_batch_size: Optional[int] = None
+    num_updates: Optional[int] = None
+
+
+TRAIN_COLUMNS = ("query_chosen_token", "query_rejected_token")
+# kept next to the rewards in the eval table
+EVAL_COLUMNS = ("query", "chosen", "rejected", "batch", "split", "extra", "choice", "policies", "chosen_policy",
+                "rejected_policy")
+REFERENCE_COLUMNS = ("query_reference_response_token", "query_token", "reference_response_token")
+CONSISTENCY_TOLERANCE = 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers (pure functions; tests import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def derive_batch_sizes(args: Args, world_size: int, dataset_len: int) -> None:
+    """Fills the derived batch fields; inexact divisions are errors."""
+    for name in ("local_micro_batch_size", "gradient_accumulation_steps", "local_eval_batch_size", "num_train_epochs"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    args.world_size = world_size
+    if args.batch_size is not None:
+        per_step = args.local_micro_batch_size * world_size
+        if args.batch_size % per_step:
+            raise ValueError(f"--batch_size {args.batch_size} is not divisible by local_micro_batch_size "
+                             f"{args.local_micro_batch_size} x world_size {world_size}")
+        args.gradient_accumulation_steps = args.batch_size // per_step
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * world_size
+    if args.total_episodes is None:
+        args.total_episodes = dataset_len * args.num_train_epochs
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        raise ValueError(f"total_episodes {args.total_episodes} < batch_size {args.batch_size}: no update possible")
+
+
+def epoch_permutations(n: int, epochs: int, seed: int) -> list:
+    """A fresh permutation of range(n) per epoch, from the global seed only (identical on all ranks)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [i for _ in range(epochs) for i in torch.randperm(n, generator=generator).tolist()]
+
+
+def last_non_pad_index(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Index of the rightmost non-pad token of each row: the EOS of a query+response row, whether
+    the query is left-padded or not. The same rule as HF's sequence-classification pooling."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return ((input_ids != pad_id) * positions).argmax(1)
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Reward of each row, read at its last non-pad token (the EOS), shape [batch].
+
+    Pad tokens are masked out of attention and positions count real tokens only, so the amount of
+    left or right padding changes nothing, also for models with absolute positions. Unlike the
+    causal-LM `forward` of sft.py, pad ids are NOT replaced by 0 here: HF's sequence-classification
+    head finds the token to read by looking for `config.pad_token_id`, and [PAD] is a valid row of
+    the (resized) embedding whose value is masked out anyway."""
+    attention_mask = query_responses != pad_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    output = model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False, return_dict=True)
+    return output.logits.squeeze(-1)
+
+
+def pair_rewards(model, chosen: torch.Tensor, rejected: torch.Tensor, pad_id: int) -> tuple:
+    """Chosen and rejected rows in ONE forward pass (concatenated along the batch)."""
+    rewards = get_reward(model, torch.cat([chosen, rejected]), pad_id)
+    return rewards[: len(chosen)], rewards[len(chosen):]
+
+
+def preference_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, normalizer: float) -> torch.Tensor:
+    """This micro-batch's share of the global objective mean(-logsigmoid(r_chosen - r_rejected)):
+    the sum over its pairs divided by the number of pairs in the whole global batch."""
+    return -F.logsigmoid(chosen_rewards - rejected_rewards).sum() / normalizer
+
+
+def init_score_head(model, seed: int) -> None:
+    """Head weight ~ N(0, 1/sqrt(hidden+1)), bias 0 (HF's `score` has none), as in the paper.
+    Its own generator, seeded with the global seed: every rank starts from the same head."""
+    weight = model.score.weight
+    generator = torch.Generator().manual_seed(seed)
+    std = 1 / math.sqrt(model.config.hidden_size + 1)
+    with torch.no_grad():
+        weight.copy_(torch.normal(0.0, std, size=tuple(weight.shape), generator=generator))
+        if getattr(model.score, "bias", None) is not None:
+            model.score.bias.zero_()
+
+
+def final_norm(model) -> torch.nn.Module:
+    """The layer norm whose output the `score` head reads (GPT-NeoX, GPT-2, Llama-like names)."""
+    for name in ("final_layer_norm", "ln_f", "norm"):
+        module = getattr(model.base_model, name, None)
+        if module is not None:
+            return module
+    raise ValueError(f"{type(model).__name__}: final layer norm not found, cannot store the reward normalisation")
+
+
+def check_normalisation_possible(model) -> None:
+    if getattr(final_norm(model), "bias", None) is None:
+        raise ValueError(f"{type(model).__name__}: the final norm has no bias, so the reward normalisation cannot "
+                         "be built into a standard sequence-classification model")
+
+
+@torch.no_grad()
+def shift_rewards(model, offset: float) -> None:
+    """Adds `offset` to the reward at every position, exactly: score(h) = w . h, so moving the final
+    norm's bias by `offset * w / |w|^2` moves w . h by `offset` (HF's score layer has no bias)."""
+    weight = model.score.weight.double()[0]
+    bias = final_norm(model).bias
+    bias.add_((offset * weight / weight.dot(weight)).to(bias.dtype))
+
+
+def same_real_tokens(a: torch.Tensor, b: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Per row: do `a` and `b` hold the same non-pad tokens in the same order (pads anywhere)?"""
+    width = max(a.shape[1], b.shape[1])
+
+    def compact(x):  # non-pad tokens to the front, in order, then pads up to `width`
+        order = torch.argsort((x == pad_id).int(), dim=1, stable=True)
+        x = x.gather(1, order)
+        return F.pad(x, (0, width - x.shape[1]), value=pad_id)
+
+    return (compact(a) == compact(b)).all(1)
+
+
+def accuracy_breakdown(table: pd.DataFrame, split: str) -> dict:
+    """eval/rm/<split>/accuracy overall and by labeller split, batch and confidence."""
+    metrics = {f"eval/rm/{split}/accuracy": float(table["accuracy"].mean())}
+    for column in ("split", "batch", "confidence"):
+        for value, group in table.groupby(column, dropna=False, sort=True):
+            metrics[f"eval/rm/{split}/accuracy/{column}/{value}"] = float(group["accuracy"].mean())
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# setup helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def looks_local(path: str) -> bool:
+    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1
+
+
+def load_tokenizer(name: str):
+    if looks_local(name) and not os.path.isdir(name):
+        raise FileNotFoundError(f"model path {name} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="right")
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Pythia: a dedicated pad, never EOS
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(f"tokenizer {name}: pad token equals EOS ({tokenizer.eos_token!r}); EOS would never be "
+                         "learned. Use a dedicated pad token such as [PAD].")
+    return tokenizer
+
+
+def load_split_dataset(name: str, columns: tuple, kind: str = "SFT"):
+    if looks_local(name):
+        if not os.path.isdir(name):
+            raise FileNotFoundError(f"dataset {name} does not exist (build it with tldr_dataset.py)")
+        dataset = load_from_disk(name)
+    else:
+        dataset = load_dataset(name)
+    for split, ds in dataset.items():
+        missing = [c for c in columns if c not in ds.column_names]
+        if missing:
+            raise ValueError(f"dataset {name} split {split} lacks columns {missing}; is it the {kind} dataset "
+                             "written by tldr_dataset.py?")
+    return dataset
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def load_reward_model(path: str, tokenizer, head_seed: Optional[int]):
+    """A sequence-classification model with one label from `path`. From an SFT (causal-LM)
+    checkpoint the LM head is dropped and a fresh head is initialised (`head_seed`); from a saved
+    reward model (`head_seed=None`) the head is kept."""
+    if looks_local(path) and not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path} does not exist")
+    # fp32 master weights whatever the checkpoint's dtype; mixed precision is accelerate's job
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    # HF reads the reward at the rightmost token that is not config.pad_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if head_seed is not None:
+        init_score_head(model, head_seed)
+    disable_dropout(model)
+    check_normalisation_possible(model)
+    return model
+
+
+class Logger:
+    """TensorBoard + metrics.jsonl (+ wandb via TensorBoard sync) on the main process only."""
+
+    def __init__(self, args: Args, accelerator: Accelerator):
+        self.main = accelerator.is_main_process
+        self.folder = os.path.join("runs", args.run_name)
+        if not self.main:
+            return
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=args.run_name, save_code=True)
+        os.makedirs(self.folder, exist_ok=True)
+        self.writer = SummaryWriter(self.folder)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in asdict(args).items()))
+        with open(os.path.join(self.folder, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        self.jsonl = open(os.path.join(self.folder, "metrics.jsonl"), "a")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.main:
+            return
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+
+    def table(self, name: str, frame: pd.DataFrame) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.folder, f"{name}.csv"), index=False)
+
+    def close(self) -> None:
+        if self.main:
+            self.writer.close()
+            self.jsonl.close()
+            if "wandb" in sys.modules:
+                sys.modules["wandb"].finish()
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation and normalisation
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(accelerator: Accelerator, model, pad_id: int, dataloader, dataset) -> tuple:
+    """Rewards of every pair of `dataset`, gathered without the duplicates that sharding pads the
+    last batch with; returns (metrics without prefix, eval table)."""
+    indices, chosen, rejected = [], [], []
+    for batch in dataloader:
+        c, r = pair_rewards(model, batch["query_chosen_token"], batch["query_rejected_token"], pad_id)
+        index, c, r = accelerator.gather_for_metrics((batch["row_index"], c, r))
+        indices.append(index.cpu())
+        chosen.append(c.float().cpu())
+        rejected.append(r.float().cpu())
+    indices, chosen, rejected = torch.cat(indices), torch.cat(chosen), torch.cat(rejected)
+    rows = dataset.select(indices.tolist())
+    table = pd.DataFrame({
+        "query": list(rows["query"]), "chosen": list(rows["chosen"]), "rejected": list(rows["rejected"]),
+        "batch": list(rows["batch"]), "split": list(rows["split"]),
+        # real data has rows without a confidence: keep them as their own "None" group
+        "confidence": [str(e["confidence"]) for e in rows["extra"]],
+        "choice": list(rows["choice"]), "policies": list(rows["policies"]),
+        "chosen_policy": list(rows["chosen_policy"]), "rejected_policy": list(rows["rejected_policy"]),
+        "accuracy": (chosen > rejected).float().numpy(),
+        "chosen_rewards": chosen.numpy(), "rejected_rewards": rejected.numpy(),
+    })
+    loss = -F.logsigmoid(chosen - rejected).mean().item()
+    return {"loss": loss, "chosen_rewards": chosen.mean().item(), "rejected_rewards": rejected.mean().item()}, table
+
+
+@torch.no_grad()
+def score_references(accelerator: Accelerator, model, pad_id: int, dataloader, concatenated: bool,
+                     max_batches: Optional[int] = None) -> dict:
+    """Rewards of the SFT references as the RM saw pairs in training (the re-encoded, right-padded
+    query+reference); with `concatenated`, also as PPO will score them ([left-padded query |
+    right-padded response]) and whether both hold the same tokens."""
+    out = {"reward": [], "reward_concatenated": [], "same_tokens": []}
+    for i, batch in enumerate(dataloader):
+        if max_batches is not None and i >= max_batches:
+            break
+        query_reference = batch["query_reference_response_token"]
+        values = [get_reward(model, query_reference, pad_id).float()]
+        if concatenated:
+            concat = torch.cat([batch["query_token"], batch["reference_response_token"]], 1)
+            # (gloo cannot gather bools: the flag travels as an int)
+            values += [get_reward(model, concat, pad_id).float(), same_real_tokens(query_reference, concat, pad_id).long()]
+        for key, value in zip(out, accelerator.gather_for_metrics(tuple(values))):
+            out[key].append(value.cpu())
+    return {k: torch.cat(v) for k, v in out.items() if v}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    # `batch_size` may set the accumulation steps: derive them before the Accelerator exists
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # CPU processes (tests, laptops) talk over gloo; a single plain process needs no group at all
+    distributed_cpu = "WORLD_SIZE" in os.environ and not torch.cuda.is_available()
+    kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else []
+    label_dataset = load_split_dataset(args.label_dataset, TRAIN_COLUMNS + EVAL_COLUMNS, kind="preference")
+    query_dataset = load_split_dataset(args.query_dataset, REFERENCE_COLUMNS, kind="SFT")
+    if "train" not in label_dataset or "train" not in query_dataset:
+        raise ValueError(f"{args.label_dataset} and {args.query_dataset} both need a `train` split")
+    derive_batch_sizes(args, world_size, len(label_dataset["train"]))
+    accelerator = Accelerator(
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        kwargs_handlers=kwargs_handlers,
+    )
+    assert accelerator.num_processes == world_size, (accelerator.num_processes, world_size)
+    console = Console()
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
+    if args.deepspeed and deepspeed_plugin is None:
+        raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
+                         "(accelerate launch --config_file deepspeed.yaml ...)")
+    if deepspeed_plugin is not None:
+        if deepspeed_plugin.zero_stage == 3:
+            raise ValueError("reward.py needs full parameters on every rank to store the normalisation: "
+                             "use ZeRO-2 (deepspeed.yaml), not ZeRO-3")
+        # our loader yields whole local batches: tell DeepSpeed the real micro-batch and clipping
+        deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
+        deepspeed_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+
+    # run name: rank 0's clock, broadcast so every rank logs under one name
+    stamp = broadcast(torch.tensor(int(time.time()), device=accelerator.device), 0).item()
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{stamp}"
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    torch.backends.cudnn.deterministic = True
+    if accelerator.is_main_process:
+        console.print(f"world_size {world_size} x local_micro_batch_size {args.local_micro_batch_size} x "
+                      f"gradient_accumulation_steps {args.gradient_accumulation_steps} = batch_size {args.batch_size} "
+                      f"pairs; {args.num_updates} updates over {args.total_episodes} episodes "
+                      f"({args.total_episodes - args.num_updates * args.batch_size} left over); "
+                      f"weight_decay {args.weight_decay}; max_grad_norm {args.max_grad_norm}")
+
+    tokenizer = load_tokenizer(args.base_model)
+    pad_id = tokenizer.pad_token_id
+    if args.reward_model_path:
+        model = load_reward_model(args.reward_model_path, tokenizer, head_seed=None)
+    else:
+        model = load_reward_model(args.sft_model_path, tokenizer, head_seed=args.seed)
+    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+    optimizer = optimizer_class(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.scheduler, optimizer=optimizer, num_warmup_steps=args.warm_up_steps,
+                              num_training_steps=args.num_updates)
+
+    train = label_dataset["train"]
+    train = train.add_column("row_index", list(range(len(train)))).with_format(
+        "torch", columns=list(TRAIN_COLUMNS) + ["row_index"])
+    # One explicit order for every rank and world size; accelerate hands rank r the local batches
+    # r, r + world_size, ..., so global batch k is always order[k * batch_size : (k + 1) * batch_size]
+    # and every pair is seen once per epoch across all ranks (the original shuffled per rank, so
+    # ranks overlapped and missed pairs).
+    order = epoch_permutations(len(train), -(-args.total_episodes // len(train)), args.seed)
+    train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True)
+    eval_sets = {s: label_dataset[s] for s in ("validation", "validation_cnndm") if s in label_dataset}
+    eval_loaders = {
+        s: DataLoader(ds.add_column("row_index", list(range(len(ds)))).with_format(
+            "torch", columns=list(TRAIN_COLUMNS) + ["row_index"]), batch_size=args.local_eval_batch_size)
+        for s, ds in eval_sets.items()
+    }
+    reference_loader = DataLoader(query_dataset["train"].with_format("torch", columns=list(REFERENCE_COLUMNS)),
+                                  batch_size=args.local_eval_batch_size)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    eval_loaders = {s: accelerator.prepare(dl) for s, dl in eval_loaders.items()}
+    reference_loader = accelerator.prepare(reference_loader)
+    logger = Logger(args, accelerator)
+
+    model.train()
+    update = 0
+    trained_pairs = []  # (update, row index) of every pair trained on, over all ranks: train_pairs.csv
+    start = time.time()
+    for batch in track(train_loader, total=args.num_updates, description="reward", disable=not accelerator.is_main_process):
+        if update == args.num_updates:
+            break
+        update += 1
+        lr = scheduler.get_last_lr()[0]  # the learning rate of this update
+        # sums over this rank's pairs: loss share, correct pairs, chosen rewards, rejected rewards
+        stats = torch.zeros(4, device=accelerator.device)
+        for micro_start in range(0, args.local_batch_size, args.local_micro_batch_size):
+            micro = slice(micro_start, micro_start + args.local_micro_batch_size)
+            with accelerator.accumulate(model):
+                chosen, rejected = pair_rewards(model, batch["query_chosen_token"][micro],
+                                                batch["query_rejected_token"][micro], pad_id)
+                loss = preference_loss(chosen, rejected, args.batch_size)
+                # accelerate divides by the accumulation steps and DDP averages over ranks: undo
+                # both so the gradient is exactly that of the global-batch mean loss
+                accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
+                if accelerator.sync_gradients:  # (DeepSpeed clips inside its own step)
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            stats += torch.stack([loss.detach(), (chosen > rejected).sum().float(), chosen.detach().sum(),
+                                  rejected.detach().sum()]).float()
+        scheduler.step()
+        stats = accelerator.reduce(stats, "sum")
+        trained_pairs += [(update, i) for i in accelerator.gather(batch["row_index"]).tolist()]
+        global_step = update * args.batch_size  # x-axis: episodes (pairs) seen so far
+        logger.log({
+            "train/rm/loss": stats[0].item(),
+            "train/rm/accuracy": stats[1].item() / args.batch_size,
+            "train/rm/chosen_rewards": stats[2].item() / args.batch_size,
+            "train/rm/rejected_rewards": stats[3].item() / args.batch_size,
+            "train/rm/lr": lr,
+            "train/rm/eps": global_step / (time.time() - start),
+        }, global_step)
+    global_step = update * args.batch_size
+    logger.table("train_pairs", pd.DataFrame(trained_pairs, columns=["update", "row_index"]))
+    model.eval()
+
+    if args.run_eval:
+        for split, loader in eval_loaders.items():
+            metrics, table = evaluate(accelerator, model, pad_id, loader, eval_sets[split])
+            logger.table(f"eval_{split}_table", table)
+            metrics = {**accuracy_breakdown(table, split), **{f"eval/rm/{split}/{k}": v for k, v in metrics.items()}}
+            logger.log(metrics, global_step)
+            if accelerator.is_main_process:
+                console.print(f"{split}: accuracy {metrics[f'eval/rm/{split}/accuracy']:.4f} over {len(table)} pairs")
+
+    # Normalisation: shift the rewards so the SFT train references score 0 on average. Every rank
+    # gathers the same rewards and shifts its own copy of the model identically.
+    unwrapped = accelerator.unwrap_model(model)
+    scores = score_references(accelerator, model, pad_id, reference_loader, concatenated=True)
+    before = scores["reward"].double()
+    shift_rewards(unwrapped, -before.mean().item())
+    # the shift is exact in fp32; re-score the first batch to measure it (bf16 weights round it)
+    check = score_references(accelerator, model, pad_id, reference_loader, concatenated=False, max_batches=1)
+    fold_error = (check["reward"].double() - (before[: len(check["reward"])] - before.mean())).abs().max()
+    reward = before - before.mean()
+    # consistency: the re-encoded row and [left-padded query | right-padded reference] must agree
+    abs_diff = (before - scores["reward_concatenated"].double()).abs()
+    same = scores["same_tokens"].bool()
+    metrics = {
+        "eval/rm/reference_mean_before_normalization": before.mean().item(),
+        "eval/rm/reference_std_before_normalization": before.std().item(),
+        "eval/rm/reference_mean_after_normalization": reward.mean().item(),
+        "eval/rm/reference_std_after_normalization": reward.std().item(),
+        "eval/rm/normalization_offset": -before.mean().item(),
+        "eval/rm/normalization_max_error": fold_error.item(),
+        "eval/rm/consistency/max_abs_diff": abs_diff.max().item(),
+        "eval/rm/consistency/mean_abs_diff": abs_diff.mean().item(),
+        "eval/rm/consistency/frac_gt_tolerance": (abs_diff > CONSISTENCY_TOLERANCE).double().mean().item(),
+        "eval/rm/consistency/frac_same_tokens": same.double().mean().item(),
+    }
+    logger.log(metrics, global_step)
+    logger.table("reference_rewards", pd.DataFrame({
+        "reward_before_normalization": before.numpy(), "reward": reward.numpy(),
+        "reward_concatenated": scores["reward_concatenated"].numpy() - before.mean().item(),
+        "abs_diff": abs_diff.numpy(), "same_tokens": same.numpy(),
+    }))
+    # rows with identical tokens may differ only by float noise; rows that tokenize differently at
+    # the query/response boundary are a property of the data, reported but not an error
+    inconsistent = int(((abs_diff > CONSISTENCY_TOLERANCE) & same).sum())
+    if accelerator.is_main_process:
+        console.print(f"reference rewards over {len(reward)} rows: mean {metrics['eval/rm/reference_mean_before_normalization']:.4f} "
+                      f"-> {metrics['eval/rm/reference_mean_after_normalization']:.2e}, std "
+                      f"{metrics['eval/rm/reference_std_after_normalization']:.4f}; consistency max |diff| "
+                      f"{metrics['eval/rm/consistency/max_abs_diff']:.2e}, "
+                      f"{int((~same).sum())} rows tokenized differently")
+        if inconsistent:
+            console.print(f"[bold red]WARNING: {inconsistent} references with identical tokens get rewards that differ by "
+                          f"more than {CONSISTENCY_TOLERANCE} between [query | response] and the re-encoded row: "
+                          "padding or position handling is wrong for this model")
+
+    if args.output_dir:
+        accelerator.wait_for_everyone()
+        state_dict = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(args.output_dir)
+            unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
+            if args.push_to_hub:
+                push_to_hub(args, unwrapped, tokenizer, state_dict)
+    logger.close()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if inconsistent and accelerator.mixed_precision == "no":
+        # in fp32 this is a bug, not noise (the model is saved; the run still fails loudly)
+        raise RuntimeError(f"consistency check failed for {inconsistent} references (see "
+                           f"runs/{args.run_name}/reference_rewards.csv)")
+
+
+def push_to_hub(args: Args, model, tokenizer, state_dict) -> None:
+    from huggingface_hub import HfApi
+
+    entity = args.hf_entity or HfApi().whoami()["name"]
+    repo_id = f"{entity}/{args.base_model.replace('/', '_')}__{args.exp_name}__tldr"
+    tokenizer.push_to_hub(repo_id, revision=args.run_name)
+    model.push_to_hub(repo_id, revision=args.run_name, state_dict=state_dict)
+    print(f"pushed https://huggingface.co/{repo_id}/tree/{args.run_name}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,454 @@
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from datasets import load_from_disk
+from safetensors.torch import load_file
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
+                          GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForSequenceClassification)
+
+from summarize_from_feedback_details import reward, sft
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "reward.py")
+DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu.yaml")
+
+PAD, EOS = 1, 0  # the tiny tokenizer's ids (Pythia: [PAD] 50277, EOS 0)
+
+
+def sft_model(models_dir):
+    # the tiny base model stands in for an SFT checkpoint: same architecture, a causal-LM head
+    return os.path.join(models_dir, "pythia-tiny-s")
+
+
+def run_reward(tiny_datasets, models_dir, workdir, name, **overrides):
+    """reward.main in this process, run from `workdir` (runs/ lands there); returns the metrics."""
+    data_dir, _ = tiny_datasets
+    args = reward.Args(
+        base_model=sft_model(models_dir), sft_model_path=sft_model(models_dir),
+        label_dataset=os.path.join(data_dir, "preference"), query_dataset=os.path.join(data_dir, "sft"),
+        output_dir=os.path.join(workdir, name), run_name=name, seed=3, lr=1e-3, local_eval_batch_size=64,
+    )
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    cwd = os.getcwd()
+    os.makedirs(workdir, exist_ok=True)
+    os.chdir(workdir)
+    try:
+        reward.main(args)
+    finally:
+        os.chdir(cwd)
+        # accelerate keeps process-wide singletons; the next in-process run starts clean
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
+        metrics = {}
+        for line in f:
+            metrics.update(json.loads(line))  # keys are unique except `step`
+    return metrics
+
+
+def random_rm(kind: str, hidden: int = 32, vocab: int = 40):
+    torch.manual_seed(0)
+    if kind == "gpt2":  # absolute position embeddings
+        config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=2, n_head=2, n_positions=64, bos_token_id=EOS,
+                            eos_token_id=EOS, num_labels=1, pad_token_id=PAD)
+        return GPT2ForSequenceClassification(config).eval()
+    config = GPTNeoXConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, bos_token_id=EOS, eos_token_id=EOS, num_labels=1, pad_token_id=PAD)
+    return GPTNeoXForSequenceClassification(config).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# pure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_head_init_std_and_zero_bias(models_dir):
+    """N(0, 1/sqrt(hidden+1)), no bias; the backbone is the SFT checkpoint's, the LM head is gone."""
+    big = random_rm("gpt_neox", hidden=1024, vocab=8)
+    reward.init_score_head(big, seed=1)
+    weight = big.score.weight
+    expected = 1 / math.sqrt(1024 + 1)
+    assert weight.shape == (1, 1024) and big.score.bias is None  # HF's head has no bias: bias 0
+    assert weight.std().item() == pytest.approx(expected, rel=0.1)  # 1024 draws: ~2% sampling error
+    assert abs(weight.mean().item()) < 4 * expected / math.sqrt(1024)
+    again = random_rm("gpt_neox", hidden=1024, vocab=8)
+    reward.init_score_head(again, seed=1)
+    assert torch.equal(again.score.weight, weight)  # the global seed alone decides: same on every rank
+
+    tokenizer = reward.load_tokenizer(sft_model(models_dir))
+    model = reward.load_reward_model(sft_model(models_dir), tokenizer, head_seed=1)
+    assert type(model).__name__ == "GPTNeoXForSequenceClassification" and model.config.num_labels == 1
+    assert model.config.pad_token_id == tokenizer.pad_token_id == PAD
+    assert model.score.weight.std().item() == pytest.approx(1 / math.sqrt(64 + 1), rel=0.35)  # 64 draws
+    assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    lm = AutoModelForCausalLM.from_pretrained(sft_model(models_dir))
+    lm_state = lm.state_dict()
+    for key, value in model.gpt_neox.state_dict().items():
+        assert torch.equal(value, lm_state[f"gpt_neox.{key}"]), key
+
+
+def test_reward_is_read_at_the_eos(tiny_datasets, models_dir):
+    data_dir, _ = tiny_datasets
+    tokenizer = reward.load_tokenizer(sft_model(models_dir))
+    model = reward.load_reward_model(sft_model(models_dir), tokenizer, head_seed=1).eval()
+    rows = load_from_disk(os.path.join(data_dir, "preference"))["validation"].select(range(4))
+    ids = torch.tensor(rows["query_chosen_token"])  # right-padded query+response
+    eos_index = torch.tensor(rows["query_chosen_token_len"]) - 1
+    assert (ids[torch.arange(4), eos_index] == EOS).all() and (ids[:, -1] == PAD).all()
+    assert torch.equal(reward.last_non_pad_index(ids, PAD), eos_index)
+    with torch.no_grad():
+        r = reward.get_reward(model, ids, PAD)
+        # the score head applied to the hidden state of the EOS token, computed by hand
+        hidden = model.gpt_neox(input_ids=ids, attention_mask=ids != PAD).last_hidden_state
+        by_hand = model.score(hidden)[torch.arange(4), eos_index, 0]
+        assert torch.allclose(r, by_hand, atol=1e-6)
+        # plain transformers, as a user of the saved model would call it, reads the same token
+        plain = model(input_ids=ids, attention_mask=ids != PAD).logits[:, 0]
+        assert torch.allclose(r, plain, atol=1e-6)
+        # more or less padding after the EOS changes nothing
+        more = torch.cat([ids, torch.full((4, 9), PAD)], 1)
+        fewer = ids[:, : eos_index.max() + 1]
+        assert torch.allclose(reward.get_reward(model, more, PAD), r, atol=1e-6)
+        assert torch.allclose(reward.get_reward(model, fewer, PAD), r, atol=1e-6)
+        # moving the EOS one token earlier (dropping the last word) changes the reward
+        moved = ids.clone()
+        moved[torch.arange(4), eos_index - 1] = EOS
+        moved[torch.arange(4), eos_index] = PAD
+        assert (reward.get_reward(model, moved, PAD) - r).abs().min() > 1e-4
+        # a different last real token changes it too (the EOS itself is what is read)
+        no_eos = ids.clone()
+        no_eos[torch.arange(4), eos_index] = 5
+        assert (reward.get_reward(model, no_eos, PAD) - r).abs().min() > 1e-4
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox", "gpt2"])
+def test_left_padding_does_not_change_the_reward(kind):
+    """Same text, 0 / 3 / 11 left pads in one batch and some right pads: the same reward, also for
+    GPT-2's absolute positions (positions come from the attention mask)."""
+    model = random_rm(kind)
+    text = [5, 6, 7, 8, 9, 10, 11, EOS]
+    rows = [[PAD] * k + text + [PAD] * (11 - k) for k in (0, 3, 11)]
+    with torch.no_grad():
+        r = reward.get_reward(model, torch.tensor(rows), PAD)
+        alone = reward.get_reward(model, torch.tensor([text]), PAD)
+    assert torch.allclose(r, alone.expand(3), atol=1e-5), r
+    # the head reads the last real token whatever the padding side
+    assert reward.last_non_pad_index(torch.tensor(rows), PAD).tolist() == [7, 10, 18]
+
+
+def test_same_real_tokens_and_shift_rewards():
+    a = torch.tensor([[5, 6, 0, PAD, PAD], [5, 6, 0, PAD, PAD]])
+    b = torch.tensor([[PAD, 5, 6, 0, PAD, PAD, PAD], [PAD, 5, 7, 0, PAD, PAD, PAD]])
+    assert reward.same_real_tokens(a, b, PAD).tolist() == [True, False]
+    for kind in ("gpt_neox", "gpt2"):
+        model = random_rm(kind)
+        ids = torch.tensor([[5, 6, 7, EOS, PAD], [9, 8, EOS, PAD, PAD]])
+        with torch.no_grad():
+            before = model(input_ids=ids, attention_mask=ids != PAD).logits[:, 0]
+            reward.shift_rewards(model, -1.75)
+            after = model(input_ids=ids, attention_mask=ids != PAD).logits[:, 0]
+        assert torch.allclose(after, before - 1.75, atol=1e-5), kind
+
+
+def test_preference_loss_is_additive_over_micro_batches():
+    torch.manual_seed(0)
+    chosen, rejected = torch.randn(8), torch.randn(8)
+    whole = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
+    for micro in (1, 2, 4, 8):
+        parts = sum(reward.preference_loss(chosen[i:i + micro], rejected[i:i + micro], 8.0) for i in range(0, 8, micro))
+        assert torch.allclose(parts, whole, atol=1e-6)
+    # known answer: equal rewards give log 2
+    assert reward.preference_loss(torch.zeros(2), torch.zeros(2), 2.0).item() == pytest.approx(math.log(2))
+
+
+def test_accuracy_breakdown():
+    table = pd.DataFrame({"accuracy": [1.0, 0.0, 1.0, 1.0], "split": ["valid1", "valid1", "valid2", "valid2"],
+                          "batch": ["b1", "b2", "b2", "b2"], "confidence": ["1", "9", "9", "None"]})
+    m = reward.accuracy_breakdown(table, "validation")
+    assert m["eval/rm/validation/accuracy"] == 0.75
+    assert m["eval/rm/validation/accuracy/split/valid1"] == 0.5 and m["eval/rm/validation/accuracy/split/valid2"] == 1
+    assert m["eval/rm/validation/accuracy/batch/b1"] == 1 and m["eval/rm/validation/accuracy/batch/b2"] == 2 / 3
+    assert m["eval/rm/validation/accuracy/confidence/9"] == 0.5 and m["eval/rm/validation/accuracy/confidence/None"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# runs of the script (in-process)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_micro_batch_split_gives_the_same_update(tiny_datasets, models_dir, tmp_path):
+    """A fixed local batch of 4 pairs: micro-batch 1 x accumulation 4 == micro-batch 4 x accumulation 1.
+
+    Adam's first step is lr * g / (|g| + eps). With the default eps 1e-5 it is nearly sign(g): blind
+    to a wrongly scaled loss, and it magnifies float noise in near-zero gradients by up to 1/eps. With
+    eps 1 the update is ~ lr * g, so a loss normalised per micro-batch instead of per global batch
+    would move the weights 4x more in one run (differences ~1e-3, far above the tolerance). Gradient
+    clipping is off for the same reason (it would rescale a wrong gradient back to norm 1)."""
+    common = dict(total_episodes=4, local_eval_batch_size=128, lr=0.1, eps=1.0, max_grad_norm=1e9)
+    m1 = run_reward(tiny_datasets, models_dir, str(tmp_path), "micro1", local_micro_batch_size=1,
+                    gradient_accumulation_steps=4, **common)
+    m4 = run_reward(tiny_datasets, models_dir, str(tmp_path), "micro4", local_micro_batch_size=4,
+                    gradient_accumulation_steps=1, **common)
+    assert m1["train/rm/loss"] == pytest.approx(m4["train/rm/loss"], rel=1e-6)
+    assert m1["train/rm/chosen_rewards"] == pytest.approx(m4["train/rm/chosen_rewards"], rel=1e-6)
+    p1, p4 = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("micro1", "micro4"))
+    assert p1.keys() == p4.keys()
+    for key in p1:  # a few float32 ulps
+        assert torch.allclose(p1[key], p4[key], rtol=1e-6, atol=1e-7), (key, (p1[key] - p4[key]).abs().max())
+    # and the update really moved the backbone
+    sft = load_file(os.path.join(sft_model(models_dir), "model.safetensors"))
+    key = "gpt_neox.layers.0.attention.dense.weight"
+    assert (p1[key] - sft[key]).abs().max() > 1e-4
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_datasets, models_dir, tmp_path_factory):
+    """One short run with eval: 8 updates of 16 pairs (128 pairs), micro-batch 8 x accumulation 2."""
+    workdir = str(tmp_path_factory.mktemp("reward_run"))
+    metrics = run_reward(tiny_datasets, models_dir, workdir, "rm", total_episodes=128, local_micro_batch_size=8,
+                         gradient_accumulation_steps=2, run_eval=True)
+    return workdir, metrics
+
+
+def test_saved_model_is_plain_and_normalised(trained, tiny_datasets, monkeypatch):
+    workdir, metrics = trained
+    data_dir, _ = tiny_datasets
+    folder = os.path.join(workdir, "rm")
+    with open(os.path.join(folder, "config.json")) as f:
+        config_text = f.read()
+    config = json.loads(config_text)
+    assert config["architectures"] == ["GPTNeoXForSequenceClassification"] and "auto_map" not in config
+    assert config["pad_token_id"] == PAD and len(config["id2label"]) == 1
+    assert workdir not in config_text and "pythia-tiny" not in config_text  # no path of this machine
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.pad_token_id == PAD and tokenizer.eos_token_id == EOS
+
+    references = load_from_disk(os.path.join(data_dir, "sft"))["train"]
+    ids = torch.tensor(references["query_reference_response_token"])
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=ids != PAD).logits[:, 0]  # no extra line
+        concat = torch.cat([torch.tensor(references["query_token"]), torch.tensor(references["reference_response_token"])], 1)
+        as_ppo = reward.get_reward(model, concat, PAD)
+    assert abs(plain.mean().item()) < 1e-4
+    assert abs(as_ppo.mean().item()) < 1e-4
+    assert plain.std().item() == pytest.approx(metrics["eval/rm/reference_std_before_normalization"], rel=1e-4)
+    assert plain.std().item() > 1e-3  # not a degenerate constant model
+
+    # logged statistics and the consistency check
+    assert metrics["eval/rm/reference_mean_before_normalization"] == pytest.approx(
+        -metrics["eval/rm/normalization_offset"])
+    assert abs(metrics["eval/rm/reference_mean_after_normalization"]) < 1e-6
+    assert metrics["eval/rm/reference_std_after_normalization"] == pytest.approx(
+        metrics["eval/rm/reference_std_before_normalization"])
+    assert metrics["eval/rm/normalization_max_error"] < 1e-5
+    assert metrics["eval/rm/consistency/frac_same_tokens"] == 1.0
+    assert metrics["eval/rm/consistency/frac_gt_tolerance"] == 0.0
+    assert metrics["eval/rm/consistency/max_abs_diff"] < 1e-4
+    table = pd.read_csv(os.path.join(workdir, "runs", "rm", "reference_rewards.csv"))
+    assert len(table) == len(references)
+    assert torch.allclose(torch.tensor(table["reward"].values, dtype=torch.float32), plain, atol=1e-4)
+
+
+def test_eval_breakdown_matches_the_table(trained, tiny_datasets):
+    workdir, metrics = trained
+    data_dir, _ = tiny_datasets
+    preference = load_from_disk(os.path.join(data_dir, "preference"))
+    for split in ("validation", "validation_cnndm"):
+        table = pd.read_csv(os.path.join(workdir, "runs", "rm", f"eval_{split}_table.csv"))
+        assert list(table.columns) == ["query", "chosen", "rejected", "batch", "split", "confidence", "choice",
+                                       "policies", "chosen_policy", "rejected_policy", "accuracy", "chosen_rewards",
+                                       "rejected_rewards"]
+        # every pair exactly once (64-row eval batches do not divide the split: no duplicates)
+        assert len(table) == len(preference[split]) and len(preference[split]) % 64
+        assert list(table["chosen"]) == list(preference[split]["chosen"])
+        assert (table["accuracy"] == (table["chosen_rewards"] > table["rejected_rewards"])).all()
+        assert metrics[f"eval/rm/{split}/accuracy"] == pytest.approx(table["accuracy"].mean(), abs=1e-6)
+        for column in ("batch", "split", "confidence"):
+            groups = table.groupby(column)["accuracy"].mean()
+            assert len(groups) > 1
+            for value, accuracy in groups.items():
+                assert metrics[f"eval/rm/{split}/accuracy/{column}/{value}"] == pytest.approx(accuracy, abs=1e-6)
+    assert sorted(pd.read_csv(os.path.join(workdir, "runs", "rm", "eval_validation_table.csv"))["batch"].unique()) == \
+        sorted(set(preference["validation"]["batch"]))
+    # training was logged per update against episodes (pairs): 8 updates of 16
+    with open(os.path.join(workdir, "runs", "rm", "metrics.jsonl")) as f:
+        train = [json.loads(line) for line in f if "train/rm/loss" in line]
+    assert [m["step"] for m in train] == [16 * i for i in range(1, 9)]
+    assert all(0 <= m["train/rm/accuracy"] <= 1 and m["train/rm/lr"] > 0 for m in train)
+
+
+def test_eval_rewards_match_the_saved_model(trained, tiny_datasets):
+    """The eval table's rewards were taken before normalisation: the saved model gives them minus the mean."""
+    workdir, metrics = trained
+    data_dir, _ = tiny_datasets
+    table = pd.read_csv(os.path.join(workdir, "runs", "rm", "eval_validation_table.csv"))
+    rows = load_from_disk(os.path.join(data_dir, "preference"))["validation"].select(range(8))
+    model = AutoModelForSequenceClassification.from_pretrained(os.path.join(workdir, "rm")).eval()
+    ids = torch.tensor(rows["query_chosen_token"])
+    with torch.no_grad():
+        r = model(input_ids=ids, attention_mask=ids != PAD).logits[:, 0]
+    expected = torch.tensor(table["chosen_rewards"].values[:8], dtype=torch.float32) + metrics["eval/rm/normalization_offset"]
+    assert torch.allclose(r, expected, atol=1e-4)
+
+
+def test_clear_errors(tiny_datasets, models_dir, tmp_path):
+    data_dir, _ = tiny_datasets
+    preference = load_from_disk(os.path.join(data_dir, "preference"))
+    preference.remove_columns(["query_chosen_token"]).save_to_disk(str(tmp_path / "no_column"))
+    with pytest.raises(ValueError, match=r"lacks columns \['query_chosen_token'\]"):
+        run_reward(tiny_datasets, models_dir, str(tmp_path), "a", label_dataset=str(tmp_path / "no_column"))
+    with pytest.raises(ValueError, match="lacks columns"):  # the SFT dataset where preferences belong
+        run_reward(tiny_datasets, models_dir, str(tmp_path), "b", label_dataset=os.path.join(data_dir, "sft"))
+    with pytest.raises(ValueError, match=r"lacks columns \['query_reference_response_token'"):
+        run_reward(tiny_datasets, models_dir, str(tmp_path), "b2", query_dataset=os.path.join(data_dir, "preference"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run_reward(tiny_datasets, models_dir, str(tmp_path), "b3", label_dataset="./no_such_dataset")
+    with pytest.raises(FileNotFoundError, match="/no/such/sft does not exist"):
+        run_reward(tiny_datasets, models_dir, str(tmp_path), "c", sft_model_path="/no/such/sft")
+    with pytest.raises(FileNotFoundError, match="/no/such/rm does not exist"):
+        run_reward(tiny_datasets, models_dir, str(tmp_path), "d", reward_model_path="/no/such/rm")
+    with pytest.raises(ValueError, match="not divisible"):
+        run_reward(tiny_datasets, models_dir, str(tmp_path), "e", local_micro_batch_size=4, batch_size=6)
+    bad = AutoTokenizer.from_pretrained(sft_model(models_dir))
+    bad.pad_token = bad.eos_token
+    bad.save_pretrained(tmp_path / "badtok")
+    with pytest.raises(ValueError, match="pad token equals EOS"):
+        run_reward(tiny_datasets, models_dir, str(tmp_path), "f", base_model=str(tmp_path / "badtok"))
+
+
+# ---------------------------------------------------------------------------------------------
+# launched runs: two processes and DeepSpeed ZeRO-2 on CPU
+# ---------------------------------------------------------------------------------------------
+
+
+def launch_reward(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()):
+    """reward.py as a user launches it; returns (stdout, per-update metrics, weights, train_pairs table)."""
+    data_dir, _ = tiny_datasets
+    cmd = [*(launcher or [sys.executable]), SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
+           sft_model(models_dir), "--label_dataset", os.path.join(data_dir, "preference"), "--query_dataset",
+           os.path.join(data_dir, "sft"), "--output_dir", str(tmp_path / name), "--run_name", name, "--seed", "3",
+           "--lr", "1e-3", "--local_eval_batch_size", "64", *flags]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    if "--multi_gpu" in launcher:  # DDP over gloo on CPU (with DeepSpeed this flag would drop the plugin)
+        env["ACCELERATE_USE_CPU"] = "1"
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "runs" / name / "metrics.jsonl") as f:
+        train = [m for m in map(json.loads, f) if "train/rm/loss" in m]
+    pairs = pd.read_csv(tmp_path / "runs" / name / "train_pairs.csv")
+    return result.stdout, train, load_file(str(tmp_path / name / "model.safetensors")), pairs
+
+
+def accelerate(num_processes, config=None):
+    base = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch"]
+    if config:
+        return base + ["--config_file", config, "--num_processes", str(num_processes)]
+    return base + ["--multi_gpu", "--num_processes", str(num_processes)]
+
+
+def curve(train, key="train/rm/loss"):
+    return [m[key] for m in train]
+
+
+def assert_same_params(a, b, rtol=1e-4, atol=1e-6):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=rtol, atol=atol), (key, (a[key] - b[key]).abs().max())
+
+
+@pytest.mark.slow
+def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(tiny_datasets, models_dir, tmp_path):
+    """Two epochs of the 300 training pairs, global batch 30: one process (micro 5 x accumulation 6)
+    and two processes (micro 5 x accumulation 3 each). Each epoch covers every pair id exactly once
+    across both ranks, in a fresh order, and the loss curve and weights match one process.
+
+    Adam eps 1 and no clipping make the update ~ lr * gradient (see the micro-batch test), so a
+    gradient averaged wrongly over ranks would show; the tolerances cover float summation order."""
+    n = len(load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"])
+    common = ("--num_train_epochs", "2", "--local_micro_batch_size", "5", "--lr", "0.05", "--eps", "1",
+              "--max_grad_norm", "1e9")
+    _, one, p_one, pairs_one = launch_reward(tiny_datasets, models_dir, tmp_path, "one",
+                                             "--gradient_accumulation_steps", "6", *common)
+    out, two, p_two, pairs_two = launch_reward(tiny_datasets, models_dir, tmp_path, "two",
+                                               "--gradient_accumulation_steps", "3", *common, launcher=accelerate(2))
+    assert "world_size 2" in out and n == 300
+    assert len(two) == 2 * n // 30 and len(pairs_two) == 2 * n
+    assert (pairs_two.groupby("update").size() == 30).all()
+    epochs = [pairs_two["row_index"][:n], pairs_two["row_index"][n:]]
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(n))  # every pair exactly once per epoch
+    assert list(epochs[0]) != list(epochs[1])  # reshuffled between epochs
+    # the same pairs in the same updates as one process
+    for (_, a), (_, b) in zip(pairs_one.groupby("update"), pairs_two.groupby("update")):
+        assert sorted(a["row_index"]) == sorted(b["row_index"])
+    assert curve(one) == pytest.approx(curve(two), rel=1e-5)  # float reduction order differs slightly
+    assert curve(one, "train/rm/accuracy") == pytest.approx(curve(two, "train/rm/accuracy"), abs=1e-9)
+    assert_same_params(p_one, p_two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_deepspeed_zero2_matches_ddp(tiny_datasets, models_dir, tmp_path, num_processes):
+    """Same global batch of 8 for 4 updates: DeepSpeed ZeRO-2 (1 or 2 processes) == plain PyTorch
+    (Adam eps 1 as above). Clipping at 0.1 is active here (at 1.0 these gradients are not clipped),
+    so both backends must clip the same way."""
+    common = ("--total_episodes", "32", "--local_micro_batch_size", "2", "--lr", "0.05", "--eps", "1",
+              "--max_grad_norm", "0.1")
+    _, plain, p_plain, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "plain", *common,
+                                         "--gradient_accumulation_steps", "4")
+    _, ds, p_ds, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "ds", "--deepspeed", *common,
+                                   "--gradient_accumulation_steps", str(4 // num_processes),
+                                   launcher=accelerate(num_processes, DS_CONFIG))
+    assert len(ds) == 4
+    assert curve(plain) == pytest.approx(curve(ds), rel=1e-5)
+    assert_same_params(p_plain, p_ds)
+
+
+def test_zero3_is_refused_with_a_reason(tiny_datasets, models_dir, tmp_path):
+    config = tmp_path / "zero3.yaml"
+    with open(DS_CONFIG) as f:
+        config.write_text(f.read().replace("zero_stage: 2", "zero_stage: 3"))
+    assert "zero_stage: 3" in config.read_text()
+    data_dir, _ = tiny_datasets
+    result = subprocess.run(
+        [*accelerate(1, str(config)), SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
+         sft_model(models_dir), "--label_dataset", os.path.join(data_dir, "preference"), "--query_dataset",
+         os.path.join(data_dir, "sft"), "--output_dir", str(tmp_path / "x")],
+        capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600)
+    assert result.returncode != 0 and "use ZeRO-2" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers repeated from sft.py on purpose (one self-contained file per stage) must not drift
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["derive_batch_sizes", "epoch_permutations", "looks_local", "load_tokenizer",
+                                  "load_split_dataset", "disable_dropout", "Logger", "push_to_hub"])
+def test_copies_of_sft_helpers_are_identical(name):
+    assert inspect.getsource(getattr(reward, name)) == inspect.getsource(getattr(sft, name))
+
+
+def test_copies_of_sft_helpers_behave_the_same(models_dir):
+    assert reward.epoch_permutations(7, 3, seed=5) == sft.epoch_permutations(7, 3, seed=5)
+    for flags in (dict(local_micro_batch_size=2, gradient_accumulation_steps=4),
+                  dict(local_micro_batch_size=2, batch_size=16), dict(total_episodes=37, gradient_accumulation_steps=8)):
+        a, b = reward.Args(**flags), sft.Args(**flags)
+        reward.derive_batch_sizes(a, 2, 100)
+        sft.derive_batch_sizes(b, 2, 100)
+        assert (a.local_batch_size, a.batch_size, a.gradient_accumulation_steps, a.num_updates, a.total_episodes) == \
+            (b.local_batch_size, b.batch_size, b.gradient_accumulation_steps, b.num_updates, b.total_episodes)
+    for path in ("EleutherAI/pythia-1b", "./x", "/abs/y", "a/b/c", sft_model(models_dir)):
+        assert reward.looks_local(path) == sft.looks_local(path)
+    assert reward.load_tokenizer(sft_model(models_dir)).pad_token_id == sft.load_tokenizer(sft_model(models_dir)).pad_token_id
