@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The embedded default end to end, on whatever hardware is here (a CPU is enough):
-#   synthetic TL;DR data + tiny Pythia-architecture base models -> tldr_dataset.py
-# (sft.py, reward.py and ppo_left_padding.py join as they land.)
+#   synthetic TL;DR data + tiny Pythia-architecture base models -> tldr_dataset.py -> sft.py
+#   -> reward.py  (ppo_left_padding.py and the eval plots join as they land)
 #
 #   ./hello_world.sh           set up .venv if needed, run every stage that has no output yet
 #   ./hello_world.sh --force   rerun every stage
@@ -19,8 +19,11 @@ done
 
 RAW_DIR=data/raw                  # synthetic raw files in the upstream schemas
 BASE_MODELS_DIR=models/tiny       # pythia-tiny-{s,m,l}, one shared tokenizer
-BASE_MODEL=$BASE_MODELS_DIR/pythia-tiny-s
+TOKENIZER=$BASE_MODELS_DIR/pythia-tiny-s   # all tiny sizes share it
 DATASET_DIR=data/tldr             # tokenized sft/ and preference/ datasets
+MODEL=${MODEL:-$BASE_MODELS_DIR/pythia-tiny-m}
+OUT_DIR=models/hello_world        # sft/ and reward_model/
+RESPONSE_LENGTH=32                # the tiny default's longest reference summary is 24 tokens
 
 # Lengths of the tiny default (the paper: 512 / 53 / 562 / 169 / 638 and 1919 / 155 / 2021).
 TINY_LENGTHS=(
@@ -58,11 +61,34 @@ run_stage "tiny base models" $BASE_MODELS_DIR \
     $PY -m summarize_from_feedback_details.tiny_models --corpus $RAW_DIR/tldr_sft/train.jsonl \
         --output_dir $BASE_MODELS_DIR --seed "$SEED"
 run_stage "tldr_dataset.py" $DATASET_DIR \
-    $PY summarize_from_feedback_details/tldr_dataset.py --base_model $BASE_MODEL \
+    $PY summarize_from_feedback_details/tldr_dataset.py --base_model $TOKENIZER \
         --sft_dataset $RAW_DIR/tldr_sft --preference_dataset $RAW_DIR/comparisons \
         --output_dir $DATASET_DIR --overwrite "${TINY_LENGTHS[@]}"
+# Training stages: the model file is written last, so it marks a finished stage. A rerun starts
+# its run folder afresh (metrics.jsonl is appended to).
+run_training() {
+    local name=$1
+    shift
+    rm -rf "runs/hello_world_$name"
+    "$@" --run_name "hello_world_$name" --seed "$SEED"
+}
+# One epoch of the 6000 SFT rows at batch 32; the tiny models learn at a much higher lr than the
+# paper's 3e-6 for Pythia.
+run_stage "sft.py" $OUT_DIR/sft/model.safetensors \
+    run_training sft $PY summarize_from_feedback_details/sft.py --base_model "$MODEL" \
+        --query_dataset $DATASET_DIR/sft --output_dir $OUT_DIR/sft --lr 3e-3 \
+        --local_micro_batch_size 32 --gradient_accumulation_steps 1 --local_eval_batch_size 100 \
+        --response_length $RESPONSE_LENGTH --run_eval
+# One epoch of the 6000 preference pairs at batch 32, from the SFT model.
+run_stage "reward.py" $OUT_DIR/reward_model/model.safetensors \
+    run_training reward $PY summarize_from_feedback_details/reward.py --base_model $OUT_DIR/sft \
+        --sft_model_path $OUT_DIR/sft --label_dataset $DATASET_DIR/preference \
+        --query_dataset $DATASET_DIR/sft --output_dir $OUT_DIR/reward_model --lr 1e-3 \
+        --local_micro_batch_size 32 --gradient_accumulation_steps 1 --local_eval_batch_size 100 --run_eval
 
 echo
 echo "datasets: $DATASET_DIR/sft, $DATASET_DIR/preference (plots in $DATASET_DIR/dataset_visuals)"
 echo "base models: $BASE_MODELS_DIR/pythia-tiny-{s,m,l}"
 echo "label statistics of the synthetic data: $RAW_DIR/label_stats.json"
+echo "models: $OUT_DIR/sft, $OUT_DIR/reward_model; run folders (metrics, eval tables): runs/hello_world_*"
+$PY -m summarize_from_feedback_details.hello_world_report --runs_dir runs

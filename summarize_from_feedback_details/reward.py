@@ -89,6 +89,9 @@ class Args:
     """pairs per process in eval and rows per process in the normalisation pass"""
     total_episodes: Optional[int] = None
     """defaults to len(train split) * num_train_epochs"""
+    rank_dependent_shuffle: bool = False
+    """the paper's data order: every rank shuffles the pairs with its own seed before accelerate
+    shards them, so ranks overlap and miss pairs (about 66% unique pairs per epoch on 8 GPUs)"""
 
     # model and data
     base_model: str = "EleutherAI/pythia-1b-deduped"
@@ -467,8 +470,9 @@ def main(args: Args) -> None:
     # One explicit order for every rank and world size; accelerate hands rank r the local batches
     # r, r + world_size, ..., so global batch k is always order[k * batch_size : (k + 1) * batch_size]
     # and every pair is seen once per epoch across all ranks (the original shuffled per rank, so
-    # ranks overlapped and missed pairs).
-    order = epoch_permutations(len(train), -(-args.total_episodes // len(train)), args.seed)
+    # ranks overlapped and missed pairs; --rank_dependent_shuffle brings that back).
+    order_seed = local_seed if args.rank_dependent_shuffle else args.seed
+    order = epoch_permutations(len(train), -(-args.total_episodes // len(train)), order_seed)
     train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True)
     eval_sets = {s: label_dataset[s] for s in ("validation", "validation_cnndm") if s in label_dataset}
     eval_loaders = {

@@ -395,6 +395,12 @@ def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(tiny_
     assert curve(one) == pytest.approx(curve(two), rel=1e-5)  # float reduction order differs slightly
     assert curve(one, "train/rm/accuracy") == pytest.approx(curve(two, "train/rm/accuracy"), abs=1e-9)
     assert_same_params(p_one, p_two)
+    # the paper's order, kept behind a flag: each rank shuffles with its own seed, so an epoch
+    # repeats some pairs and misses others
+    _, _, _, paper = launch_reward(tiny_datasets, models_dir, tmp_path, "paper", "--gradient_accumulation_steps", "3",
+                                   "--rank_dependent_shuffle", *common, launcher=accelerate(2))
+    first_epoch = set(paper["row_index"][:n])
+    assert len(paper) == 2 * n and len(first_epoch) < 0.9 * n
 
 
 @pytest.mark.slow
