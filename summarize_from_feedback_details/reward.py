@@ -30,6 +30,7 @@ line is needed when loading, and a critic initialised from this model inherits t
 token, like the original's `config.bias`.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -214,6 +215,17 @@ def final_norm(model) -> torch.nn.Module:
     raise ValueError(f"{type(model).__name__}: final layer norm not found, cannot store the reward normalisation")
 
 
+def full_parameters(params: list):
+    """A context in which `params` hold their full values and in-place changes are kept. ZeRO-3
+    leaves each rank a shard (also at load time, through transformers' zero.Init): gather them,
+    and keep rank 0's changes (every rank computes the same ones)."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+    return contextlib.nullcontext()
+
+
 def check_normalisation_possible(model) -> None:
     if getattr(final_norm(model), "bias", None) is None:
         raise ValueError(f"{type(model).__name__}: the final norm has no bias, so the reward normalisation cannot "
@@ -305,7 +317,8 @@ def load_reward_model(path: str, tokenizer, head_seed: Optional[int]):
     # HF reads the reward at the rightmost token that is not config.pad_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     if head_seed is not None:
-        init_score_head(model, head_seed)
+        with full_parameters([model.score.weight]):
+            init_score_head(model, head_seed)
     disable_dropout(model)
     check_normalisation_possible(model)
     return model
@@ -431,9 +444,6 @@ def main(args: Args) -> None:
         raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
                          "(accelerate launch --config_file deepspeed.yaml ...)")
     if deepspeed_plugin is not None:
-        if deepspeed_plugin.zero_stage == 3:
-            raise ValueError("reward.py needs full parameters on every rank to store the normalisation: "
-                             "use ZeRO-2 (deepspeed.yaml), not ZeRO-3")
         # our loader yields whole local batches: tell DeepSpeed the real micro-batch and clipping
         deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
         deepspeed_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
@@ -543,7 +553,8 @@ def main(args: Args) -> None:
     unwrapped = accelerator.unwrap_model(model)
     scores = score_references(accelerator, model, pad_id, reference_loader, concatenated=True)
     before = scores["reward"].double()
-    shift_rewards(unwrapped, -before.mean().item())
+    with full_parameters([unwrapped.score.weight, final_norm(unwrapped).bias]):
+        shift_rewards(unwrapped, -before.mean().item())
     # the shift is exact in fp32; re-score the first batch to measure it (bf16 weights round it)
     check = score_references(accelerator, model, pad_id, reference_loader, concatenated=False, max_batches=1)
     fold_error = (check["reward"].double() - (before[: len(check["reward"])] - before.mean())).abs().max()

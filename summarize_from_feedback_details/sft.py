@@ -12,6 +12,7 @@ over the whole global batch, so micro-batch size, gradient accumulation and proc
 change the update.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -168,16 +169,26 @@ def generation_config(response_length: int, temperature: float, pad_id: int) -> 
     )
 
 
+@contextlib.contextmanager
+def without_stop_ids(model):
+    """generate() fills unset fields from the model's own generation config: an EOS id there would
+    make min_new_tokens suppress EOS at every step, so the policy could never emit it. Cleared for
+    the call only, so a saved model's plain generate() still stops at EOS."""
+    saved = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = saved
+
+
 @torch.no_grad()
 def generate(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig) -> torch.Tensor:
     """Left-padded queries -> responses of exactly max_new_tokens tokens."""
-    # generate() fills unset fields from the model's own generation config: an EOS id there would
-    # make min_new_tokens suppress EOS at every step, so the policy could never emit it
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
     attention_mask = queries != pad_id
-    output = model.generate(input_ids=torch.masked_fill(queries, ~attention_mask, 0), attention_mask=attention_mask,
-                            generation_config=config)
+    with without_stop_ids(model):
+        output = model.generate(input_ids=torch.masked_fill(queries, ~attention_mask, 0),
+                                attention_mask=attention_mask, generation_config=config)
     responses = output[:, queries.shape[1]:]
     assert responses.shape[1] == config.max_new_tokens, "generation stopped early"
     return responses
@@ -405,6 +416,7 @@ def main(args: Args) -> None:
         if update == args.num_updates:
             break
         update += 1
+        lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         queries_responses, labels = batch[TRAIN_COLUMNS[0]], batch[label_column]
         # normaliser of the global batch, known before the first micro-batch's backward
         if args.loss_normalization == "sequence":
@@ -429,7 +441,7 @@ def main(args: Args) -> None:
         scheduler.step()
         metrics = {
             "train/sft/loss": accelerator.reduce(loss_total, "sum").item(),
-            "train/sft/lr": scheduler.get_last_lr()[0],
+            "train/sft/lr": lr,
             "train/sft/episode": update * args.batch_size,
             "train/sft/eps": update * args.batch_size / (time.time() - start),
         }

@@ -13,6 +13,7 @@ from summarize_from_feedback_details import sft
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "sft.py")
 DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu.yaml")
+DS_ZERO3_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero3_cpu.yaml")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,16 +193,20 @@ def test_two_processes_match_one_process(tiny_datasets, tokenizer_dir, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_processes", [1, 2])
-def test_deepspeed_zero2_matches_ddp(tiny_datasets, tokenizer_dir, tmp_path, num_processes):
-    common = ("--total_episodes", "16", "--local_micro_batch_size", "2", "--gradient_accumulation_steps",
-              str(4 // num_processes))
-    _, plain, p_plain = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "plain", "--total_episodes", "16",
-                                "--local_micro_batch_size", "2", "--gradient_accumulation_steps", "4")
+@pytest.mark.parametrize("config,num_processes", [(DS_CONFIG, 1), (DS_CONFIG, 2), (DS_ZERO3_CONFIG, 2)],
+                         ids=["zero2-1proc", "zero2-2proc", "zero3-2proc"])
+def test_deepspeed_matches_ddp(tiny_datasets, tokenizer_dir, tmp_path, config, num_processes):
+    """Same global batch of 8 for 2 updates; with ZeRO-3 (weights sharded across ranks) also the
+    eval's generation, which needs every rank to take the same number of steps."""
+    common = ("--total_episodes", "16", "--local_micro_batch_size", "2", "--run_eval", "--local_eval_batch_size", "40")
+    _, plain, p_plain = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "plain", *common,
+                                "--gradient_accumulation_steps", "4")
     _, ds, p_ds = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "ds", "--deepspeed", *common,
-                          launcher=accelerate(num_processes, DS_CONFIG))
+                          "--gradient_accumulation_steps", str(4 // num_processes), launcher=accelerate(num_processes, config))
     assert losses(plain) == pytest.approx(losses(ds), rel=1e-5)
     assert_same_params(p_plain, p_ds, rtol=1e-4, atol=1e-6)
+    evals = [{k: v for m in run for k, v in m.items() if k.startswith("validation/")} for run in (plain, ds)]
+    assert len(evals[0]) == 4 and evals[0] == pytest.approx(evals[1], rel=1e-4)
 
 
 def test_deepspeed_flag_without_deepspeed_is_an_error(tiny_datasets, tokenizer_dir, tmp_path):
@@ -220,6 +225,8 @@ def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_datasets, tokeniz
                                  "--lr", "1e-3", "--track", *common)
     train_loss = losses(trained)
     assert len(train_loss) == 40  # 640 episodes of 300 rows: reshuffled passes, not a silent early stop
+    lrs = [m["train/sft/lr"] for m in trained if "train/sft/lr" in m]
+    assert lrs[0] == 1e-3 and lrs[20] == pytest.approx(0.5e-3) and lrs == sorted(lrs, reverse=True)  # cosine, no warmup
     assert train_loss[-1] < train_loss[0] - 1.0
     evals = {k: v for m in trained for k, v in m.items() if k.startswith(("validation/", "test/"))}
     assert set(evals) == {f"{s}/sft/{k}" for s in ("validation", "test")
@@ -234,6 +241,9 @@ def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_datasets, tokeniz
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "trained")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "trained")
     assert tokenizer.pad_token_id != tokenizer.eos_token_id and model.config.model_type == "gpt_neox"
+    # eval generated with EOS cleared from the model's generation config; the saved one keeps it,
+    # so a user's plain generate() stops at EOS
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
     assert os.path.isdir(tmp_path / "wandb")  # --track wrote an offline wandb run
 
 

@@ -1,0 +1,980 @@
+"""PPO on TL;DR summaries against the reward model of reward.py (stage 3 of the paper's pipeline).
+
+    accelerate launch --config_file deepspeed.yaml summarize_from_feedback_details/ppo_left_padding.py \\
+        --base_model EleutherAI/pythia-1b-deduped --sft_model_path models/sft_model \\
+        --reward_model_path models/reward_model --deepspeed --run_eval          # the paper: 512 x 1953 updates
+    python summarize_from_feedback_details/ppo_left_padding.py --base_model models/tiny/pythia-tiny-s \\
+        --sft_model_path <sft.py output> --reward_model_path <reward.py output> --query_dataset data/tldr/sft \\
+        --response_length 32 --total_episodes 1920 --local_micro_batch_size 16 --gradient_accumulation_steps 4 \\
+        --local_rollout_forward_batch_size 64 --local_eval_batch_size 16 --lr 1e-4    # tiny default, CPU
+
+This is the algorithm the paper released (its `ppo.py`, DESIGN section 9): policy and reference from
+the SFT checkpoint, critic (head included) and reward model from the reward-model checkpoint, one
+AdamW over policy + critic. Each update: rollouts at T=0.7 whose logprobs come from the generation
+logits, the reference's logprobs with the same temperature, the EOS trick (-1 for a response without
+EOS), INVALID_LOGPROB after the EOS, a per-token k1 KL penalty with the score at EOS+1, GAE
+(gamma 1, lambda 0.95), whitened advantages, then 4 epochs of clipped policy and value losses.
+
+Where this file deliberately differs from the paper's code (N_PLUS_DETAILS section 13; the paper's
+behaviour stays reachable where it changes results):
+- advantage (and optional reward) whitening is global across processes (`--ppo.whiten_per_rank`
+  gives the paper's per-rank statistics);
+- the losses are token means over the whole minibatch of all processes, so micro-batch size,
+  accumulation and process count do not change the update (`--ppo.loss_normalization micro_batch`
+  gives the paper's token mean per micro-batch, averaged over micro-batches and processes);
+- every logged statistic is computed over real tokens only (the paper averaged several over the
+  padding after EOS, and `objective/entropy` counted -1 per padded position);
+- the per-update validation score walks through the whole validation split instead of scoring the
+  same first batch every update;
+- the sampling noise of each generation chunk (`local_rollout_forward_batch_size` queries, rollout
+  and validation) is seeded from (seed, update, position in the global batch), so one process and
+  N processes with the same global batch draw the same responses;
+- `[PAD]` is never sampled (its logit is masked in generation and, identically, in every forward
+  that computes logprobs, so the ratio is exactly that of the sampling distribution).
+
+Only the policy is saved (`--output_dir`): a plain causal LM plus tokenizer, loadable offline with
+`AutoModelForCausalLM.from_pretrained`. With DeepSpeed, policy + critic train under the accelerate
+config (ZeRO-2); the frozen reference and reward model become DeepSpeed inference engines, ZeRO-3
+with parameters offloaded to CPU under `--offload` (works on CPU processes over gloo too).
+"""
+
+import contextlib
+import copy
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast, gather_object
+from datasets import load_dataset, load_from_disk
+from rich.console import Console
+from rich.progress import track
+from torch.utils.data import DataLoader
+from torch.utils.tensorboard import SummaryWriter
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class PpoHParams:
+    noptepochs: int = 4
+    """PPO epochs over each rollout batch"""
+    vf_coef: float = 0.1
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_rewards: bool = False
+    """whiten the per-token rewards (masked, mean kept) before GAE; off in the released runs"""
+    kl_coef: float = 0.05
+    """coefficient of the per-token KL penalty (the initial value with --ppo.use_adaptive_kl)"""
+    use_adaptive_kl: bool = False
+    """adapt kl_coef towards `target` (the controller of the paper's ppo_left_padding.py; off in its runs)"""
+    target: float = 6.0
+    """adaptive KL: target KL per response (nats)"""
+    horizon: int = 10000
+    """adaptive KL: horizon in episodes"""
+    whiten_per_rank: bool = False
+    """whiten advantages (and rewards) with each process's own statistics, as the paper's code did;
+    by default the statistics cover the global batch, so the process count does not change them"""
+    loss_normalization: Literal["minibatch", "micro_batch"] = "minibatch"
+    """`minibatch`: policy and value losses are token means over the whole minibatch of all
+    processes (split-invariant); `micro_batch`: the paper's token mean per micro-batch, averaged over
+    micro-batches and processes (changes with local_micro_batch_size and the process count)"""
+
+
+@dataclass
+class Args:
+    # common
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    seed: int = 1
+    run_name: Optional[str] = None
+    """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
+    deepspeed: bool = False
+    """assert that accelerate runs DeepSpeed (ZeRO-2 for policy + critic) and give it our batch sizes"""
+    offload: bool = False
+    """DeepSpeed only: the frozen reference policy and reward model as ZeRO-3 engines with their
+    parameters offloaded to CPU (the paper did this for 6.9B)"""
+    run_eval: bool = False
+    """after training: generation at `eval_temperature` over validation and test, scored by the reward
+    model next to the references, saved as `<split>_table.csv`"""
+    print_sample_output_freq: int = 220
+    """every this many updates (starting with the first), save the validation samples of the update as
+    `samples_<update>.csv` (0: never)"""
+
+    # optimizer
+    lr: float = 3e-6
+    """initial learning rate, annealed linearly to lr / num_updates at the last update"""
+    eps: float = 1e-5
+    weight_decay: float = 0.01
+    """AdamW weight decay (the paper's runs got 0.01 silently from torch's default)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping; 1.0 is what the paper's DeepSpeed runs got from accelerate's default. Applied
+    the same way with and without DeepSpeed"""
+    optimizer: Literal["adamw", "adam"] = "adamw"
+
+    # batch sizes, in episodes (queries): local_batch_size = local_micro_batch_size *
+    # gradient_accumulation_steps * nminibatches, batch_size = local_batch_size * world_size
+    gradient_accumulation_steps: int = 64
+    """micro-batches per minibatch (one optimizer step per minibatch)"""
+    local_micro_batch_size: int = 1
+    nminibatches: int = 1
+    """minibatches (optimizer steps) per PPO epoch"""
+    total_episodes: int = 1_000_000
+    local_eval_batch_size: int = 2
+    """queries per process for the per-update validation score and in the final eval"""
+    local_rollout_forward_batch_size: int = 64
+    """queries per generation / no-grad forward chunk in the rollout and the validation score (must
+    divide local_batch_size). Each chunk's sampling noise is seeded by its position in the global
+    batch, so the process count does not change the samples, but this knob changes which responses
+    are drawn (not their distribution): keep it fixed when comparing runs sample for sample"""
+
+    # model and data
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    """the tokenizer (and the hub repo name with --push_to_hub)"""
+    sft_model_path: str = "models/sft_model"
+    """policy and reference policy (a causal-LM checkpoint from sft.py)"""
+    reward_model_path: str = "models/reward_model"
+    """reward model and critic initialisation (a sequence-classification checkpoint from reward.py)"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """hub name or a local `save_to_disk` folder from tldr_dataset.py (the SFT dataset)"""
+    response_length: int = 53
+    truncate_token: Literal["eos"] = "eos"
+    """responses are cut after their first EOS (the only choice, as in the paper's runs)"""
+    temperature: float = 0.7
+    """rollout sampling temperature; the policy's and reference's logits are divided by it too"""
+    eval_temperature: float = 0.01
+    """sampling temperature of the validation score and the final eval (the paper's 0.01)"""
+    penalty_reward_value: float = -1.0
+    """the score of a response without EOS (with --non_eos_penalty)"""
+    non_eos_penalty: bool = True
+
+    # tracking and output
+    track: bool = False
+    wandb_project_name: str = "tldr_summarize"
+    wandb_entity: Optional[str] = None
+    push_to_hub: bool = False
+    hf_entity: Optional[str] = None
+    output_dir: str = "models/ppo_model"
+    """where the trained policy goes ("" saves nothing)"""
+
+    ppo: PpoHParams = field(default_factory=PpoHParams)
+
+    # filled in at run time
+    world_size: Optional[int] = None
+    local_mini_batch_size: Optional[int] = None
+    local_batch_size: Optional[int] = None
+    mini_batch_size: Optional[int] = None
+    batch_size: Optional[int] = None
+    num_updates: Optional[int] = None
+
+
+QUERY_COLUMNS = ("query_token", "reference_response_token")
+# a logprob value for positions after the EOS: policy and reference both get it, so their KL there is 0
+INVALID_LOGPROB = 1.0
+# per (epoch, minibatch) sums accumulated during the PPO epochs, reduced over processes once per update
+STAT_NAMES = ("pg_loss", "vf_loss", "approxkl", "pg_clipfrac", "entropy", "ratio", "ratio_sq", "policy_tokens",
+              "vf_clipfrac", "value_tokens")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers (pure functions; tests import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def derive_batch_sizes(args: Args, world_size: int) -> None:
+    """Fills the derived batch fields; inexact divisions are errors."""
+    for name in ("local_micro_batch_size", "gradient_accumulation_steps", "nminibatches", "local_eval_batch_size",
+                 "local_rollout_forward_batch_size", "total_episodes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.ppo.noptepochs < 1:
+        raise ValueError(f"--ppo.noptepochs must be >= 1, got {args.ppo.noptepochs}")
+    args.world_size = world_size
+    args.local_mini_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.local_batch_size = args.local_mini_batch_size * args.nminibatches
+    args.mini_batch_size = args.local_mini_batch_size * world_size
+    args.batch_size = args.local_batch_size * world_size
+    if args.local_batch_size % args.local_rollout_forward_batch_size:
+        raise ValueError(f"local_batch_size {args.local_batch_size} is not divisible by "
+                         f"--local_rollout_forward_batch_size {args.local_rollout_forward_batch_size}")
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        raise ValueError(f"total_episodes {args.total_episodes} < batch_size {args.batch_size}: no update possible")
+
+
+def epoch_permutations(n: int, epochs: int, seed: int) -> list:
+    """A fresh permutation of range(n) per epoch, from the global seed only (identical on all ranks)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [i for _ in range(epochs) for i in torch.randperm(n, generator=generator).tolist()]
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Index of the first True of each row, or the row length when there is none."""
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:
+    """Tokens strictly after the first EOS become pad; the EOS itself stays."""
+    eos_index = first_true_indices(responses == eos_id).unsqueeze(-1)
+    after = torch.arange(responses.shape[1], device=responses.device).view(1, -1) > eos_index
+    return torch.masked_fill(responses, after, pad_id)
+
+
+def forward(model, input_ids: torch.Tensor, pad_id: int):
+    """Pad ids become a valid id and are masked out; positions count real tokens only (so left
+    padding changes nothing, also for models with absolute positions)."""
+    attention_mask = input_ids != pad_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
+                 position_ids=position_ids, return_dict=True)
+
+
+def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
+    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` can never
+    be sampled (its logit is suppressed)."""
+    return GenerationConfig(
+        max_new_tokens=response_length, min_new_tokens=response_length, temperature=temperature + 1e-7,
+        top_k=0, top_p=1.0, do_sample=True, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+        suppress_tokens=[pad_id],
+    )
+
+
+@contextlib.contextmanager
+def without_stop_ids(model):
+    """generate() fills unset fields from the model's own generation config: an EOS id there would
+    make min_new_tokens suppress EOS at every step, so the policy could never emit it. Cleared for
+    the call only, so a saved model's plain generate() still stops at EOS."""
+    saved = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = saved
+
+
+@torch.no_grad()
+def generate(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig) -> torch.Tensor:
+    """Left-padded queries -> responses of exactly max_new_tokens tokens."""
+    attention_mask = queries != pad_id
+    with without_stop_ids(model):
+        output = model.generate(input_ids=torch.masked_fill(queries, ~attention_mask, 0),
+                                attention_mask=attention_mask, generation_config=config)
+    responses = output[:, queries.shape[1]:]
+    assert responses.shape[1] == config.max_new_tokens, "generation stopped early"
+    return responses
+
+
+@torch.no_grad()
+def generate_with_logprobs(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig) -> tuple:
+    """`generate`, plus the logprob of each sampled token under the distribution it was drawn from.
+
+    They come from the generation logits (the paper does not re-run the policy): HF's processed
+    scores are logits / (T + 1e-7) in fp32 with the `[PAD]` logit at -inf, which is exactly what
+    `scaled_logits` computes in the training forward, so the first PPO ratio is 1 up to float noise."""
+    config = copy.deepcopy(config)
+    config.return_dict_in_generate = True
+    config.output_scores = True
+    attention_mask = queries != pad_id
+    with without_stop_ids(model):
+        output = model.generate(input_ids=torch.masked_fill(queries, ~attention_mask, 0),
+                                attention_mask=attention_mask, generation_config=config)
+    responses = output.sequences[:, queries.shape[1]:]
+    assert responses.shape[1] == config.max_new_tokens, "generation stopped early"
+    # one step at a time: never holds [batch, length, vocab] logprobs
+    logprobs = torch.stack([torch.log_softmax(scores.float(), -1).gather(1, responses[:, t: t + 1]).squeeze(1)
+                            for t, scores in enumerate(output.scores)], 1)
+    return responses, logprobs
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int) -> torch.Tensor:
+    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` impossible, the
+    same operations HF's temperature and suppress-tokens processors apply in generation. The
+    lowest float instead of -inf gives the same softmax and keeps the entropy finite."""
+    logits = logits.float() / (temperature + 1e-7)
+    is_pad = torch.arange(logits.shape[-1], device=logits.device) == pad_id
+    return logits.masked_fill(is_pad, torch.finfo(logits.dtype).min)
+
+
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits, -1)
+    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+
+
+def get_values(critic, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """The critic's value at every position, shape [batch, length]: the reward model's head applied
+    to each hidden state (not only the last). Same padding/position handling as `get_reward`."""
+    attention_mask = query_responses != pad_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    hidden = critic.base_model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False, return_dict=True).last_hidden_state
+    return critic.score(hidden).squeeze(-1)
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Reward of each row, read at its last non-pad token (the EOS), shape [batch].
+
+    Pad tokens are masked out of attention and positions count real tokens only, so the amount of
+    left or right padding changes nothing, also for models with absolute positions. Unlike the
+    causal-LM `forward` of sft.py, pad ids are NOT replaced by 0 here: HF's sequence-classification
+    head finds the token to read by looking for `config.pad_token_id`, and [PAD] is a valid row of
+    the (resized) embedding whose value is masked out anyway."""
+    attention_mask = query_responses != pad_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    output = model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False, return_dict=True)
+    return output.logits.squeeze(-1)
+
+
+def response_masks(postprocessed_responses: torch.Tensor, pad_id: int) -> tuple:
+    """(sequence_lengths, padding_mask, padding_mask_p1) of EOS-truncated responses.
+
+    `sequence_lengths` is the index of the EOS, or the last index when there is none (the paper's
+    "first pad - 1"). `padding_mask` marks positions strictly after the EOS (no policy loss, KL 0);
+    `padding_mask_p1` those after EOS+1 (no value loss): the step after the EOS is where the score
+    is paid, and its value is read at the EOS token, where the reward model reads the score."""
+    sequence_lengths = first_true_indices(postprocessed_responses == pad_id) - 1
+    positions = torch.arange(postprocessed_responses.shape[1], device=postprocessed_responses.device)
+    padding_mask = positions.view(1, -1) > sequence_lengths.view(-1, 1)
+    padding_mask_p1 = positions.view(1, -1) > (sequence_lengths + 1).view(-1, 1)
+    return sequence_lengths, padding_mask, padding_mask_p1
+
+
+def penalize_missing_eos(scores: torch.Tensor, postprocessed_responses: torch.Tensor, eos_id: int,
+                         penalty: float) -> torch.Tensor:
+    """The EOS trick: a response that never ends gets `penalty` instead of its reward-model score."""
+    contain_eos = (postprocessed_responses == eos_id).any(-1)
+    return torch.where(contain_eos, scores, torch.full_like(scores, penalty))
+
+
+def kl_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: torch.Tensor,
+               sequence_lengths: torch.Tensor, kl_coef: float) -> tuple:
+    """Per-token rewards -kl_coef * (logprob - ref_logprob) (the k1 estimator on the sampled tokens),
+    plus the score at EOS+1, or at the EOS when it is the last position (also: no EOS at all).
+    Returns (rewards, kl, non_score_reward)."""
+    kl = logprobs - ref_logprobs
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward.clone()
+    length = rewards.shape[1]
+    end = torch.where(sequence_lengths + 1 < length, sequence_lengths + 1, sequence_lengths)
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), end] += scores
+    return rewards, kl, non_score_reward
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, reduce=None) -> torch.Tensor:
+    """(values - mean) / sqrt(var + 1e-8) with mean and variance (no Bessel correction, as the paper)
+    over the entries where `mask` is True. `reduce` sums a tensor over processes: with it the
+    statistics are those of the global batch; without, of this process's entries. With
+    `shift_mean=False` the mean is added back (only the scale changes)."""
+    reduce = reduce or (lambda t: t)
+    mask = mask.to(values.dtype)
+    total, count = reduce(torch.stack([(values * mask).sum(), mask.sum()]))
+    mean = total / count
+    var = reduce(((values - mean) ** 2 * mask).sum()) / count
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def compute_advantages(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple:
+    """GAE over all response positions, bootstrapping 0 after the last; returns (advantages, returns)."""
+    length = rewards.shape[1]
+    lastgaelam = torch.zeros_like(rewards[:, 0])
+    advantages_reversed = []
+    for t in reversed(range(length)):
+        nextvalues = values[:, t + 1] if t < length - 1 else torch.zeros_like(values[:, t])
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], 1)
+    return advantages, advantages + values
+
+
+def policy_loss(new_logprobs: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor,
+                cliprange: float) -> tuple:
+    """Per-token clipped surrogate max(-A r, -A clip(r, 1 - c, 1 + c)); returns (losses, clipped, ratio, logratio)."""
+    logratio = new_logprobs - logprobs
+    ratio = torch.exp(logratio)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return torch.max(pg_losses, pg_losses2), (pg_losses2 > pg_losses).float(), ratio, logratio
+
+
+def value_loss(vpred: torch.Tensor, values: torch.Tensor, returns: torch.Tensor, cliprange_value: float) -> tuple:
+    """Per-token clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2); returns (losses, clipped)."""
+    vpredclipped = values + torch.clamp(vpred - values, -cliprange_value, cliprange_value)
+    vf_losses1 = (vpred - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    return 0.5 * torch.max(vf_losses1, vf_losses2), (vf_losses2 > vf_losses1).float()
+
+
+def token_stats(logratio, ratio, pg_clipped, entropy, policy_mask, vf_clipped, value_mask) -> torch.Tensor:
+    """Sums over real tokens of the logged per-token statistics (STAT_NAMES[2:]); the loss entries
+    are filled in by the caller. Masked entries are dropped, not multiplied by 0 (an inf stays out)."""
+
+    def total(x, mask):
+        return torch.where(mask, x, torch.zeros_like(x)).sum()
+
+    return torch.stack([
+        total(0.5 * logratio ** 2, policy_mask), total(pg_clipped, policy_mask), total(entropy, policy_mask),
+        total(ratio, policy_mask), total(ratio ** 2, policy_mask), policy_mask.sum().float(),
+        total(vf_clipped, value_mask), value_mask.sum().float(),
+    ])
+
+
+class AdaptiveKLController:
+    """The adaptive KL coefficient of the paper's ppo_left_padding.py (Ziegler et al. 2019):
+    kl_coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * episodes / horizon."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
+        self.value *= 1 + proportional_error * n_steps / self.horizon
+
+
+def cycling_slice(order: list, start: int, size: int) -> list:
+    """`size` entries of `order` from `start`, wrapping around: the per-update validation queries
+    walk through the whole split instead of repeating its first batch."""
+    return [order[(start + i) % len(order)] for i in range(size)]
+
+
+def derived_seed(*numbers: int) -> int:
+    """A seed that depends only on the given integers (no per-rank state, no Python hash salt)."""
+    seed = 0
+    for n in numbers:
+        seed = (seed * 1_000_003 + int(n)) % (2 ** 61 - 1)
+    return seed
+
+
+@contextlib.contextmanager
+def sampling_rng(seed: int, device: torch.device):
+    """Sampling inside draws from `seed`; the surrounding random streams are left as they were."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# setup helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def looks_local(path: str) -> bool:
+    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1
+
+
+def load_tokenizer(name: str):
+    if looks_local(name) and not os.path.isdir(name):
+        raise FileNotFoundError(f"model path {name} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="right")
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Pythia: a dedicated pad, never EOS
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(f"tokenizer {name}: pad token equals EOS ({tokenizer.eos_token!r}); EOS would never be "
+                         "learned. Use a dedicated pad token such as [PAD].")
+    return tokenizer
+
+
+def load_split_dataset(name: str, columns: tuple, kind: str = "SFT"):
+    if looks_local(name):
+        if not os.path.isdir(name):
+            raise FileNotFoundError(f"dataset {name} does not exist (build it with tldr_dataset.py)")
+        dataset = load_from_disk(name)
+    else:
+        dataset = load_dataset(name)
+    for split, ds in dataset.items():
+        missing = [c for c in columns if c not in ds.column_names]
+        if missing:
+            raise ValueError(f"dataset {name} split {split} lacks columns {missing}; is it the {kind} dataset "
+                             "written by tldr_dataset.py?")
+    return dataset
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def check_model_path(path: str) -> None:
+    if looks_local(path) and not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path} does not exist")
+
+
+def load_policy(path: str, tokenizer):
+    check_model_path(path)
+    # fp32 master weights whatever the checkpoint's dtype; mixed precision is accelerate's job
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    disable_dropout(model)
+    return model
+
+
+def load_reward_model(path: str, tokenizer):
+    """A saved reward model (reward.py), head and normalisation included."""
+    check_model_path(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    # HF's pooling reads the rightmost token that is not config.pad_token_id: the EOS
+    model.config.pad_token_id = tokenizer.pad_token_id
+    disable_dropout(model)
+    return model
+
+
+class PolicyAndValueWrapper(torch.nn.Module):
+    """Policy and critic as one module, so that one `accelerator.prepare` (one DDP / DeepSpeed
+    engine) and one optimizer cover both."""
+
+    def __init__(self, policy, critic, pad_id: int):
+        super().__init__()
+        self.policy, self.critic, self.pad_id = policy, critic, pad_id
+
+    def forward(self, query_responses: torch.Tensor) -> tuple:
+        return (forward(self.policy, query_responses, self.pad_id).logits,
+                get_values(self.critic, query_responses, self.pad_id))
+
+
+def prepare_frozen(model, args: Args, accelerator: Accelerator):
+    """Reference policy and reward model: no gradients, eval mode. Under DeepSpeed they become
+    inference engines in the trainable model's precision (as the paper); with --offload, ZeRO-3
+    engines whose parameters live on the CPU and are gathered layer by layer for each forward."""
+    model.requires_grad_(False)
+    if accelerator.state.deepspeed_plugin is None:
+        return model.to(accelerator.device).eval()
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": args.local_micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
+        "fp16": {"enabled": accelerator.mixed_precision == "fp16"},
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+    }
+    if args.offload:
+        config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 1e4,
+                                       "offload_param": {"device": "cpu"}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
+
+def describe_frozen(model) -> str:
+    """How a frozen model is held (printed at startup, so a run shows where --offload put it)."""
+    if not hasattr(model, "zero_optimization_stage"):
+        return f"plain module on {next(model.parameters()).device}"
+    offload = model.zero_offload_param()
+    device = getattr(offload.device, "value", offload.device) if offload is not None else "none"
+    local = sum(p.numel() for p in model.module.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.module.parameters())
+    return (f"DeepSpeed ZeRO-{model.zero_optimization_stage()} engine, parameter offload {device}, "
+            f"{local} of {total} parameters resident on this rank")
+
+
+class Logger:
+    """TensorBoard + metrics.jsonl (+ wandb via TensorBoard sync) on the main process only."""
+
+    def __init__(self, args: Args, accelerator: Accelerator):
+        self.main = accelerator.is_main_process
+        self.folder = os.path.join("runs", args.run_name)
+        if not self.main:
+            return
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=args.run_name, save_code=True)
+        os.makedirs(self.folder, exist_ok=True)
+        self.writer = SummaryWriter(self.folder)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in asdict(args).items()))
+        with open(os.path.join(self.folder, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        self.jsonl = open(os.path.join(self.folder, "metrics.jsonl"), "a")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.main:
+            return
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+
+    def table(self, name: str, frame: pd.DataFrame) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.folder, f"{name}.csv"), index=False)
+
+    def close(self) -> None:
+        if self.main:
+            self.writer.close()
+            self.jsonl.close()
+            if "wandb" in sys.modules:
+                sys.modules["wandb"].finish()
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def score_samples(accelerator: Accelerator, policy, reward_model, tokenizer, queries: torch.Tensor,
+                  references: torch.Tensor, gen_config: GenerationConfig) -> tuple:
+    """Responses to `queries` truncated after EOS, their reward-model scores (no EOS penalty, as the
+    paper's eval) and the scores of the reference responses; returns (rows, scores, reference_scores)."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    with accelerator.autocast():
+        responses = truncate_response(generate(policy, queries, pad_id, gen_config), eos_id, pad_id)
+        scores = get_reward(reward_model, torch.cat([queries, responses], 1), pad_id).float()
+        reference_scores = get_reward(reward_model, torch.cat([queries, references], 1), pad_id).float()
+    rows = [
+        {"query": q, "postprocessed_response": r, "reference_responses": ref, "scores": s, "reference_scores": rs}
+        for q, r, ref, s, rs in zip(
+            tokenizer.batch_decode(queries, skip_special_tokens=True),
+            tokenizer.batch_decode(responses, skip_special_tokens=True),
+            tokenizer.batch_decode(references, skip_special_tokens=True),
+            scores.tolist(), reference_scores.tolist(),
+        )
+    ]
+    return rows, scores, reference_scores
+
+
+def evaluate(accelerator: Accelerator, policy, reward_model, tokenizer, dataloader, gen_config) -> tuple:
+    """The whole split, gathered without the duplicates that sharding pads the last batch with."""
+    rows = []
+    for batch in dataloader:
+        local_rows, _, _ = score_samples(accelerator, policy, reward_model, tokenizer, batch["query_token"],
+                                         batch["reference_response_token"], gen_config)
+        rows += accelerator.gather_for_metrics(local_rows, use_gather_object=True)
+    table = pd.DataFrame(rows, columns=["query", "postprocessed_response", "reference_responses", "scores",
+                                        "reference_scores"])
+    metrics = {"scores": float(table["scores"].mean()), "reference_scores": float(table["reference_scores"].mean()),
+               "rm_win_rate": float((table["scores"] > table["reference_scores"]).mean())}
+    return metrics, table
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # CPU processes (tests, laptops) talk over gloo; a single plain process needs no group at all
+    distributed_cpu = "WORLD_SIZE" in os.environ and not torch.cuda.is_available()
+    kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else []
+    dataset = load_split_dataset(args.query_dataset, QUERY_COLUMNS)
+    if "train" not in dataset or "validation" not in dataset:
+        raise ValueError(f"{args.query_dataset} needs `train` and `validation` splits")
+    derive_batch_sizes(args, world_size)
+    accelerator = Accelerator(
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        kwargs_handlers=kwargs_handlers,
+    )
+    assert accelerator.num_processes == world_size, (accelerator.num_processes, world_size)
+    console = Console()
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
+    if args.deepspeed and deepspeed_plugin is None:
+        raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
+                         "(accelerate launch --config_file deepspeed.yaml ...)")
+    if args.offload and deepspeed_plugin is None:
+        raise ValueError("--offload puts the frozen models on DeepSpeed ZeRO-3: launch with a DeepSpeed "
+                         "accelerate config (accelerate launch --config_file deepspeed.yaml ...)")
+    if deepspeed_plugin is not None:
+        if deepspeed_plugin.zero_stage == 3:
+            raise ValueError("the policy generates from its unwrapped module, which needs full parameters on "
+                             "every rank: use ZeRO-2 for policy + critic (deepspeed.yaml); --offload puts the "
+                             "frozen reference and reward models on ZeRO-3")
+        # one micro-batch per backward, one optimizer step per minibatch; clipping inside DeepSpeed
+        deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
+        deepspeed_plugin.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+        deepspeed_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+
+    # run name: rank 0's clock, broadcast so every rank logs under one name
+    stamp = broadcast(torch.tensor(int(time.time()), device=accelerator.device), 0).item()
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{stamp}"
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    torch.backends.cudnn.deterministic = True
+    if accelerator.is_main_process:
+        console.print(
+            f"world_size {world_size} x local_micro_batch_size {args.local_micro_batch_size} x "
+            f"gradient_accumulation_steps {args.gradient_accumulation_steps} x nminibatches {args.nminibatches} = "
+            f"batch_size {args.batch_size} episodes (minibatch {args.mini_batch_size}); {args.num_updates} updates "
+            f"over {args.total_episodes} episodes ({args.total_episodes - args.num_updates * args.batch_size} left "
+            f"over); weight_decay {args.weight_decay}; whitening "
+            f"{'per rank' if args.ppo.whiten_per_rank else 'global'}; loss normalised per "
+            f"{args.ppo.loss_normalization.replace('_', '-')}; offload {args.offload}")
+
+    tokenizer = load_tokenizer(args.base_model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    policy = load_policy(args.sft_model_path, tokenizer)
+    ref_policy = load_policy(args.sft_model_path, tokenizer)
+    critic = load_reward_model(args.reward_model_path, tokenizer)  # critic = the RM, head included
+    reward_model = load_reward_model(args.reward_model_path, tokenizer)
+    model = PolicyAndValueWrapper(policy, critic, pad_id)
+    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+    optimizer = optimizer_class(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+
+    # One explicit query order for every rank and world size; accelerate hands rank r the local
+    # batches r, r + world_size, ..., so global batch k is always order[k * batch_size : (k + 1) *
+    # batch_size] and ranks roll out different queries. More episodes than queries: reshuffled passes.
+    train = dataset["train"].with_format("torch", columns=["query_token"])
+    order = epoch_permutations(len(train), -(-args.total_episodes // len(train)), args.seed)
+    train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    ref_policy = prepare_frozen(ref_policy, args, accelerator)
+    reward_model = prepare_frozen(reward_model, args, accelerator)
+    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:
+        console.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}",
+                      soft_wrap=True)
+    # per-update validation: global eval batch u is validation_order[u * G : (u + 1) * G] (wrapping),
+    # rank r taking its r-th slice of local_eval_batch_size, so every update scores new queries
+    validation = dataset["validation"].with_format("torch", columns=list(QUERY_COLUMNS))
+    validation_order = torch.randperm(len(validation), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    eval_loaders = {
+        s: accelerator.prepare(DataLoader(dataset[s].with_format("torch", columns=list(QUERY_COLUMNS)),
+                                          batch_size=args.local_eval_batch_size))
+        for s in ("validation", "test") if s in dataset and args.run_eval
+    }
+    rollout_config = generation_config(args.response_length, args.temperature, pad_id)
+    eval_config = generation_config(args.response_length, args.eval_temperature, pad_id)
+    logger = Logger(args, accelerator)
+    kl_ctl = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target, args.ppo.horizon)
+    # whitening statistics over the global batch (sums reduced over processes) unless per rank
+    reduce = None if args.ppo.whiten_per_rank else (lambda t: accelerator.reduce(t, "sum"))
+    device = accelerator.device
+    temperature, fwd_batch = args.temperature, args.local_rollout_forward_batch_size
+    ga, num_processes = args.gradient_accumulation_steps, accelerator.num_processes
+
+    model.train()  # (dropout is off in all four models: train/eval mode changes nothing else)
+    iter_loader = iter(train_loader)
+    start = time.time()
+    for update in track(range(1, args.num_updates + 1), description="ppo", disable=not accelerator.is_main_process):
+        data = next(iter_loader)
+        # linear annealing from lr (first update) to lr / num_updates (last update), as the paper
+        lr_now = (1.0 - (update - 1.0) / args.num_updates) * args.lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr_now
+
+        # validation score of the current policy on this update's held-out queries
+        rows = cycling_slice(validation_order, (update - 1) * args.local_eval_batch_size * num_processes
+                             + accelerator.process_index * args.local_eval_batch_size, args.local_eval_batch_size)
+        batch = validation[rows]
+        sample_rows, validation_scores = [], []
+        for i in range(0, args.local_eval_batch_size, fwd_batch):  # chunked and seeded like the rollout
+            position = accelerator.process_index * args.local_eval_batch_size + i
+            with sampling_rng(derived_seed(args.seed, 1, update, position), device):
+                chunk_rows, chunk_scores, _ = score_samples(
+                    accelerator, unwrapped.policy, reward_model, tokenizer,
+                    batch["query_token"][i: i + fwd_batch].to(device),
+                    batch["reference_response_token"][i: i + fwd_batch].to(device), eval_config)
+            sample_rows += chunk_rows
+            validation_scores.append(chunk_scores)
+        validation_score = accelerator.gather(torch.cat(validation_scores)).mean().item()
+        if args.print_sample_output_freq and (update - 1) % args.print_sample_output_freq == 0:
+            # (full slices on every rank: nothing to de-duplicate, and no dataloader state involved)
+            table = pd.DataFrame(gather_object(sample_rows))
+            logger.table(f"samples_{update}", table)
+            if accelerator.is_main_process:
+                console.print(f"update {update}: {table.iloc[0]['postprocessed_response']!r} "
+                              f"(score {table.iloc[0]['scores']:.3f})")
+
+        # ---- rollout ----------------------------------------------------------------------
+        with torch.no_grad():
+            queries = data["query_token"]
+            context_length = queries.shape[1]
+            responses, logprobs, ref_logprobs, values, scores = [], [], [], [], []
+            for i in range(0, args.local_batch_size, fwd_batch):
+                query = queries[i: i + fwd_batch]
+                # this chunk's sampling noise depends on its position in the global batch only
+                chunk_seed = derived_seed(args.seed, 0, update, accelerator.process_index * args.local_batch_size + i)
+                with sampling_rng(chunk_seed, device), accelerator.autocast():
+                    response, logprob = generate_with_logprobs(unwrapped.policy, query, pad_id, rollout_config)
+                query_response = torch.cat([query, response], 1)
+                with accelerator.autocast():
+                    # the reference sees the raw response, with the same temperature scaling
+                    ref_logits = forward(ref_policy, query_response, pad_id).logits[:, context_length - 1: -1]
+                    ref_logprob = gather_logprobs(scaled_logits(ref_logits, temperature, pad_id), response)
+                    del ref_logits
+                    # values[t] = V(query + response[:t]), on the raw response
+                    value = get_values(unwrapped.critic, query_response, pad_id)[:, context_length - 1: -1].float()
+                    # the reward model scores the EOS-truncated response at its EOS
+                    postprocessed = truncate_response(response, eos_id, pad_id)
+                    score = get_reward(reward_model, torch.cat([query, postprocessed], 1), pad_id).float()
+                responses.append(response)
+                logprobs.append(logprob)
+                ref_logprobs.append(ref_logprob)
+                values.append(value)
+                scores.append(score)
+            responses, logprobs, ref_logprobs = torch.cat(responses), torch.cat(logprobs), torch.cat(ref_logprobs)
+            values, scores = torch.cat(values), torch.cat(scores)
+            query_responses = torch.cat([queries, responses], 1)
+            postprocessed_responses = truncate_response(responses, eos_id, pad_id)
+            contain_eos = (postprocessed_responses == eos_id).any(-1)
+            if args.non_eos_penalty:
+                scores = penalize_missing_eos(scores, postprocessed_responses, eos_id, args.penalty_reward_value)
+            sequence_lengths, padding_mask, padding_mask_p1 = response_masks(postprocessed_responses, pad_id)
+            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            values = values.masked_fill(padding_mask_p1, 0)
+            rewards, kl, non_score_reward = kl_rewards(logprobs, ref_logprobs, scores, sequence_lengths, kl_ctl.value)
+            if args.ppo.whiten_rewards:
+                rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False, reduce=reduce)
+                rewards = rewards.masked_fill(padding_mask_p1, 0)
+            advantages, returns = compute_advantages(rewards, values, args.ppo.gamma, args.ppo.lam)
+            advantages = masked_whiten(advantages, ~padding_mask, reduce=reduce).masked_fill(padding_mask, 0)
+
+        # ---- PPO epochs -------------------------------------------------------------------
+        stats = torch.zeros(args.ppo.noptepochs, args.nminibatches, len(STAT_NAMES), device=device)
+        for epoch in range(args.ppo.noptepochs):
+            batch_indices = np.random.permutation(args.local_batch_size)
+            for minibatch, mb_start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
+                mb_indices = batch_indices[mb_start: mb_start + args.local_mini_batch_size]
+                if args.ppo.loss_normalization == "minibatch":
+                    # real tokens of the whole global minibatch, known before the first backward
+                    policy_tokens, value_tokens = accelerator.reduce(torch.stack([
+                        (~padding_mask[mb_indices]).sum(), (~padding_mask_p1[mb_indices]).sum()]).float(), "sum")
+                for micro_start in range(0, args.local_mini_batch_size, args.local_micro_batch_size):
+                    micro = mb_indices[micro_start: micro_start + args.local_micro_batch_size]
+                    policy_mask, value_mask = ~padding_mask[micro], ~padding_mask_p1[micro]
+                    with accelerator.accumulate(model):
+                        logits, vpred = model(query_responses[micro])
+                        new_logits = scaled_logits(logits[:, context_length - 1: -1], temperature, pad_id)
+                        del logits
+                        new_logprobs = gather_logprobs(new_logits, responses[micro]).masked_fill(
+                            padding_mask[micro], INVALID_LOGPROB)
+                        vpred = vpred[:, context_length - 1: -1].float().masked_fill(padding_mask_p1[micro], 0)
+                        pg_losses, pg_clipped, ratio, logratio = policy_loss(
+                            new_logprobs, logprobs[micro], advantages[micro], args.ppo.cliprange)
+                        vf_losses, vf_clipped = value_loss(vpred, values[micro], returns[micro],
+                                                           args.ppo.cliprange_value)
+                        if args.ppo.loss_normalization == "micro_batch":
+                            # the paper: a token mean per micro-batch; accelerate and DDP then average
+                            # over micro-batches and processes (undone below, so divide here)
+                            policy_tokens = policy_mask.sum() * ga * num_processes
+                            value_tokens = value_mask.sum() * ga * num_processes
+                        # this micro-batch's share of the minibatch objective
+                        pg_loss = (pg_losses * policy_mask).sum() / policy_tokens
+                        vf_loss = (vf_losses * value_mask).sum() / value_tokens
+                        loss = pg_loss + args.ppo.vf_coef * vf_loss
+                        # accelerate divides by the accumulation steps and DDP averages over ranks:
+                        # undo both so the gradient is exactly that of the minibatch objective
+                        accelerator.backward(loss * ga * num_processes)
+                        if accelerator.sync_gradients:  # (DeepSpeed clips inside its own step)
+                            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    with torch.no_grad():
+                        stats[epoch, minibatch] += torch.cat([
+                            torch.stack([pg_loss.detach(), vf_loss.detach()]),
+                            token_stats(logratio, ratio, pg_clipped, entropy_from_logits(new_logits), policy_mask,
+                                        vf_clipped, value_mask)])
+                    del new_logits
+            if accelerator.is_main_process:
+                s = stats[epoch].sum(0)  # this epoch, this process
+                console.print(f"update {update} epoch {epoch}: approxkl {s[2] / s[7]:.3e} clipfrac {s[3] / s[7]:.4f} "
+                              f"ratio {s[5] / s[7]:.6f}", highlight=False)
+
+        # ---- logging ------------------------------------------------------------------------
+        with torch.no_grad():
+            stats = accelerator.reduce(stats, "sum")
+            stat = dict(zip(STAT_NAMES, stats.unbind(-1)))
+            totals = stats.sum((0, 1))
+            mean_kl = accelerator.gather(kl.sum(1)).mean().item()
+            mean_non_score_reward = accelerator.gather(non_score_reward.sum(1)).mean().item()
+            mean_score = accelerator.gather(scores).mean().item()
+            global_step = update * args.batch_size
+            metrics = {
+                "objective/kl": mean_kl,
+                # estimated entropy (sum of -logprob of the sampled tokens) over real tokens only
+                "objective/entropy": accelerator.gather((-logprobs).masked_fill(padding_mask, 0).sum(1)).mean().item(),
+                "objective/non_score_reward": mean_non_score_reward,
+                "objective/rlhf_reward": mean_non_score_reward + mean_score,
+                "objective/score_total": mean_non_score_reward + mean_score,  # (the original's name for it)
+                "objective/scores": mean_score,
+                "objective/validation_score": validation_score,
+                "ppo/policy/approxkl_avg": (stat["approxkl"] / stat["policy_tokens"]).mean().item(),
+                "ppo/policy/clipfrac_avg": (stat["pg_clipfrac"] / stat["policy_tokens"]).mean().item(),
+                "ppo/loss/policy_avg": stat["pg_loss"].mean().item(),
+                "ppo/loss/value_avg": stat["vf_loss"].mean().item(),
+                "ppo/val/clipfrac_avg": (stat["vf_clipfrac"] / stat["value_tokens"]).mean().item(),
+                "ppo/policy/entropy_avg": (stat["entropy"] / stat["policy_tokens"]).mean().item(),
+                "ppo/val/ratio": (stat["ratio"] / stat["policy_tokens"]).mean().item(),
+                # token-level variance of the ratio over all epochs and minibatches
+                "ppo/val/ratio_var": (totals[6] / totals[7] - (totals[5] / totals[7]) ** 2).item(),
+                # the sanity check of the N+ paper: before any step the ratio is 1 and approxkl 0
+                "ppo/val/ratio_first_minibatch": (stat["ratio"][0, 0] / stat["policy_tokens"][0, 0]).item(),
+                "ppo/policy/approxkl_first_minibatch": (stat["approxkl"][0, 0] / stat["policy_tokens"][0, 0]).item(),
+                "ppo/policy/clipfrac_first_minibatch": (stat["pg_clipfrac"][0, 0] / stat["policy_tokens"][0, 0]).item(),
+                # responses that end (with the EOS), over all processes (the paper counted the EOS
+                # tokens of rank 0's raw responses, junk after the first EOS included)
+                "ppo/val/num_eos_tokens": accelerator.gather(contain_eos.long()).sum().item(),
+                "ppo/val/response_length": accelerator.gather((sequence_lengths + 1).float()).mean().item(),
+                "ppo/lr": lr_now,
+                "ppo/episode": global_step,
+                "ppo/eps": global_step / (time.time() - start),
+            }
+            if args.ppo.use_adaptive_kl:
+                metrics["objective/kl_coef"] = kl_ctl.value
+                kl_ctl.update(mean_kl, args.batch_size)
+        logger.log(metrics, update)
+        del (responses, logprobs, ref_logprobs, values, scores, query_responses, postprocessed_responses, rewards,
+             advantages, returns, kl, non_score_reward)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    if args.run_eval:
+        for split, loader in eval_loaders.items():
+            eval_metrics, table = evaluate(accelerator, unwrapped.policy, reward_model, tokenizer, loader, eval_config)
+            logger.log({f"eval/{split}/{k}": v for k, v in eval_metrics.items()}, args.num_updates)
+            logger.table(f"{split}_table", table)
+            if accelerator.is_main_process:
+                console.print(f"{split}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+
+    # only the policy is saved: a plain causal LM, loadable offline with transformers
+    if args.output_dir:
+        accelerator.wait_for_everyone()
+        state_dict = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            policy_state = {k[len("policy."):]: v for k, v in state_dict.items() if k.startswith("policy.")}
+            policy_module = unwrapped.policy
+            tokenizer.save_pretrained(args.output_dir)
+            policy_module.save_pretrained(args.output_dir, state_dict=policy_state)  # (safetensors)
+            if args.push_to_hub:
+                push_to_hub(args, policy_module, tokenizer, policy_state)
+    logger.close()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def push_to_hub(args: Args, model, tokenizer, state_dict) -> None:
+    from huggingface_hub import HfApi
+
+    entity = args.hf_entity or HfApi().whoami()["name"]
+    repo_id = f"{entity}/{args.base_model.replace('/', '_')}__{args.exp_name}__tldr"
+    tokenizer.push_to_hub(repo_id, revision=args.run_name)
+    model.push_to_hub(repo_id, revision=args.run_name, state_dict=state_dict)
+    print(f"pushed https://huggingface.co/{repo_id}/tree/{args.run_name}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

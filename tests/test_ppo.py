@@ -1,0 +1,660 @@
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pandas as pd
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from datasets import load_from_disk
+from safetensors.torch import load_file
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
+                          GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForCausalLM,
+                          GPTNeoXForSequenceClassification)
+
+from summarize_from_feedback_details import ppo_left_padding as ppo
+from summarize_from_feedback_details import reward, sft
+
+PAD, EOS = 1, 0  # the tiny tokenizer's ids (Pythia: [PAD] 50277, EOS 0)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "ppo_left_padding.py")
+DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu.yaml")
+# ppo/eps is a wall-clock rate; everything else must match between equivalent runs
+NOT_COMPARED = {"step", "ppo/eps"}
+
+
+@pytest.fixture
+def one_thread():
+    """Generation runs hundreds of tiny ops; on a small shared CPU, torch's thread pool makes them
+    10-50x slower than one thread (the subprocess runs get OMP_NUM_THREADS=1 for the same reason)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_lm(vocab: int = 40):
+    torch.manual_seed(0)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                            intermediate_size=64, bos_token_id=EOS, eos_token_id=EOS)).eval()
+
+
+def random_rm(kind: str, vocab: int = 40):
+    torch.manual_seed(0)
+    if kind == "gpt2":  # absolute position embeddings
+        return GPT2ForSequenceClassification(GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                                        num_labels=1, pad_token_id=PAD)).eval()
+    return GPTNeoXForSequenceClassification(GPTNeoXConfig(
+        vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        num_labels=1, pad_token_id=PAD)).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# copies of the previous stages' helpers behave the same
+# ---------------------------------------------------------------------------------------------
+
+
+def test_truncation_after_eos_known_answer_and_same_as_sft():
+    responses = torch.tensor([
+        [5, 0, 7, 0, 8],   # EOS at 1: later tokens (and a second EOS) become pad
+        [5, 6, 7, 8, 0],   # EOS last
+        [5, 6, 7, 8, 9],   # no EOS: unchanged
+        [0, 6, 7, 8, 9],   # EOS first
+    ])
+    assert ppo.first_true_indices(responses == EOS).tolist() == [1, 4, 5, 0]
+    assert ppo.truncate_response(responses, EOS, PAD).tolist() == [
+        [5, 0, 1, 1, 1], [5, 6, 7, 8, 0], [5, 6, 7, 8, 9], [0, 1, 1, 1, 1]]
+    torch.manual_seed(0)
+    random = torch.randint(0, 6, (64, 12))
+    assert torch.equal(ppo.truncate_response(random, EOS, PAD), sft.truncate_response(random, EOS, PAD))
+    assert torch.equal(ppo.first_true_indices(random == 3), sft.first_true_indices(random == 3))
+
+
+@pytest.mark.parametrize("name", ["epoch_permutations", "first_true_indices", "truncate_response", "forward",
+                                  "generation_config", "without_stop_ids", "generate", "looks_local", "load_tokenizer",
+                                  "load_split_dataset", "disable_dropout", "Logger", "push_to_hub"])
+def test_copies_of_sft_helpers_are_identical(name):
+    assert inspect.getsource(getattr(ppo, name)) == inspect.getsource(getattr(sft, name))
+
+
+def test_copy_of_reward_get_reward_is_identical():
+    assert inspect.getsource(ppo.get_reward) == inspect.getsource(reward.get_reward)
+
+
+def test_copied_helpers_behave_like_sft_and_reward():
+    assert ppo.generation_config(53, 0.7, PAD).to_dict() == sft.generation_config(53, 0.7, PAD).to_dict()
+    assert ppo.epoch_permutations(10, 3, 5) == sft.epoch_permutations(10, 3, 5) == reward.epoch_permutations(10, 3, 5)
+    for path in ("models/x", "EleutherAI/pythia-1b-deduped", "./x", "/abs", "a/b/c"):
+        assert ppo.looks_local(path) == sft.looks_local(path) == reward.looks_local(path)
+    ids = torch.tensor([[PAD, PAD, 5, 6, 7, EOS, PAD], [9, 8, 7, 6, 5, 4, EOS]])
+    lm = tiny_lm()
+    with torch.no_grad():
+        assert torch.equal(ppo.forward(lm, ids, PAD).logits, sft.forward(lm, ids, PAD).logits)
+        for kind in ("gpt_neox", "gpt2"):
+            rm = random_rm(kind)
+            assert torch.equal(ppo.get_reward(rm, ids, PAD), reward.get_reward(rm, ids, PAD))
+    config = ppo.generation_config(6, 0.7, PAD)
+    torch.manual_seed(3)
+    a = ppo.generate(lm, ids[:, :4], PAD, config)
+    torch.manual_seed(3)
+    b = sft.generate(lm, ids[:, :4], PAD, config)
+    torch.manual_seed(3)
+    c, _ = ppo.generate_with_logprobs(lm, ids[:, :4], PAD, config)
+    assert torch.equal(a, b) and torch.equal(a, c)  # asking for the scores does not change the samples
+
+
+def test_critic_values_read_the_reward_head_at_every_position():
+    """The critic's value at the EOS is the reward model's score; left padding changes nothing
+    (GPT-2 included, whose positions are absolute)."""
+    for kind in ("gpt_neox", "gpt2"):
+        rm = random_rm(kind)
+        text = [5, 6, 7, 8, EOS]
+        rows = torch.tensor([[PAD] * 3 + text, text + [PAD] * 3])
+        with torch.no_grad():
+            values = ppo.get_values(rm, rows, PAD)
+            score = ppo.get_reward(rm, rows, PAD)
+        assert values.shape == (2, 8)
+        assert torch.allclose(values[0, 7], score[0], atol=1e-5) and torch.allclose(values[1, 4], score[1], atol=1e-5)
+        assert torch.allclose(values[0, 3:], values[1, :5], atol=1e-5), kind
+
+
+# ---------------------------------------------------------------------------------------------
+# known answers: masks, EOS penalty, score placement, KL reward, GAE, whitening, losses
+# ---------------------------------------------------------------------------------------------
+
+
+RESPONSES = torch.tensor([
+    [5, 0, 7, 0, 8],   # EOS at 1
+    [5, 6, 7, 8, 0],   # EOS at the last position
+    [5, 6, 7, 8, 9],   # no EOS
+    [0, 6, 7, 8, 9],   # EOS first
+    [5, 6, 7, 0, 9],   # EOS at 3: EOS+1 is the last position
+])
+
+
+def test_masks_and_sequence_lengths():
+    post = ppo.truncate_response(RESPONSES, EOS, PAD)
+    lengths, padding_mask, padding_mask_p1 = ppo.response_masks(post, PAD)
+    assert lengths.tolist() == [1, 4, 4, 0, 3]
+    T, F = True, False
+    assert padding_mask.tolist() == [
+        [F, F, T, T, T], [F, F, F, F, F], [F, F, F, F, F], [F, T, T, T, T], [F, F, F, F, T]]
+    assert padding_mask_p1.tolist() == [
+        [F, F, F, T, T], [F, F, F, F, F], [F, F, F, F, F], [F, F, T, T, T], [F, F, F, F, F]]
+
+
+def test_eos_penalty():
+    post = ppo.truncate_response(RESPONSES, EOS, PAD)
+    scores = torch.tensor([0.5, 0.7, 0.9, 1.1, 1.3])
+    assert ppo.penalize_missing_eos(scores, post, EOS, -1.0).tolist() == pytest.approx([0.5, 0.7, -1.0, 1.1, 1.3])
+    assert ppo.penalize_missing_eos(scores, post, EOS, -3.5).tolist() == pytest.approx([0.5, 0.7, -3.5, 1.1, 1.3])
+
+
+def test_per_token_kl_reward_and_score_placement():
+    """k1 reward -kl_coef * (logprob - ref_logprob) on every real token, 0 after the EOS (both
+    logprobs are INVALID_LOGPROB there), and the score at EOS+1, or at the EOS when it is last,
+    or at the last position when there is no EOS."""
+    post = ppo.truncate_response(RESPONSES, EOS, PAD)
+    lengths, padding_mask, _ = ppo.response_masks(post, PAD)
+    logprobs = -torch.arange(1, 26, dtype=torch.float32).view(5, 5) / 10
+    ref_logprobs = logprobs - 0.2  # the policy puts 0.2 nats more on every sampled token
+    logprobs = logprobs.masked_fill(padding_mask, ppo.INVALID_LOGPROB)
+    ref_logprobs = ref_logprobs.masked_fill(padding_mask, ppo.INVALID_LOGPROB)
+    scores = torch.tensor([10.0, 20.0, 30.0, 40.0, 50.0])
+    rewards, kl, non_score = ppo.kl_rewards(logprobs, ref_logprobs, scores, lengths, kl_coef=0.05)
+    expected_kl = torch.tensor([
+        [0.2, 0.2, 0, 0, 0], [0.2] * 5, [0.2] * 5, [0.2, 0, 0, 0, 0], [0.2, 0.2, 0.2, 0.2, 0]])
+    assert torch.allclose(kl, expected_kl, atol=1e-6)
+    assert torch.allclose(non_score, -0.05 * expected_kl, atol=1e-7)
+    expected = -0.05 * expected_kl
+    for row, position in enumerate([2, 4, 4, 1, 4]):  # EOS+1; EOS last; no EOS; EOS first; EOS+1 = last
+        expected[row, position] += scores[row]
+    assert torch.allclose(rewards, expected, atol=1e-6)
+    assert rewards[4, 4] == pytest.approx(50.0)  # EOS at 3: the score lands on the (padded) EOS+1
+
+
+def test_gae_hand_computed():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [1.0, -1.0, 2.0]])
+    values = torch.tensor([[0.5, 0.4, 0.3], [0.0, 1.0, 0.5]])
+    adv, ret = ppo.compute_advantages(rewards[:1], values[:1], gamma=1.0, lam=0.95)
+    # t=2: 1 - 0.3 = 0.7; t=1: (0 + 0.3 - 0.4) + 0.95 * 0.7 = 0.565; t=0: -0.1 + 0.95 * 0.565 = 0.43675
+    assert adv[0].tolist() == pytest.approx([0.43675, 0.565, 0.7], abs=1e-6)
+    assert ret[0].tolist() == pytest.approx([0.93675, 0.965, 1.0], abs=1e-6)
+    adv, _ = ppo.compute_advantages(rewards[1:], values[1:], gamma=0.9, lam=0.5)
+    # t=2: 2 - 0.5 = 1.5; t=1: -1 + 0.9 * 0.5 - 1 + 0.45 * 1.5 = -0.875; t=0: 1 + 0.9 - 0 + 0.45 * -0.875
+    assert adv[0].tolist() == pytest.approx([1.50625, -0.875, 1.5], abs=1e-6)
+
+
+def thread_ranks(fn, parts):
+    """Runs fn(part, reduce) in one thread per part; `reduce` sums a tensor over the threads like an
+    all-reduce over processes."""
+    barrier, slots, results = threading.Barrier(len(parts)), {}, {}
+
+    def run(rank):
+        def reduce(t):
+            slots[rank] = t.clone()
+            barrier.wait()
+            total = sum(slots[r] for r in range(len(parts)))
+            barrier.wait()
+            return total
+
+        results[rank] = fn(parts[rank], reduce)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(parts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [results[r] for r in range(len(parts))]
+
+
+def test_masked_whitening_local_and_global():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    # real entries 1, 2, 4: mean 7/3, variance (16/9 + 1/9 + 25/9) / 3 = 14/9 (no Bessel correction)
+    std = math.sqrt(14 / 9 + 1e-8)
+    whitened = ppo.masked_whiten(values, mask)
+    assert whitened[mask].tolist() == pytest.approx([(1 - 7 / 3) / std, (2 - 7 / 3) / std, (4 - 7 / 3) / std], abs=1e-6)
+    kept = ppo.masked_whiten(values, mask, shift_mean=False)
+    assert torch.allclose(kept, whitened + 7 / 3)
+    # global: two "processes" holding one row each get the statistics of both rows
+    parts = [(values[:1], mask[:1]), (values[1:], mask[1:])]
+    global_rows = thread_ranks(lambda part, reduce: ppo.masked_whiten(*part, reduce=reduce), parts)
+    assert torch.allclose(torch.cat(global_rows), whitened, atol=1e-6)
+    # per rank: the first row alone (entries 1, 2) has mean 1.5 and std 0.5
+    local = ppo.masked_whiten(*parts[0])
+    assert local[0, :2].tolist() == pytest.approx([-1.0, 1.0], abs=1e-6)
+    assert not torch.allclose(local, global_rows[0])
+
+
+def test_clipped_policy_and_value_losses():
+    # value: old 0, return 1, new 0.5 -> clipped to 0.2: max(0.25, 0.64) / 2, clipped branch
+    #        old 0, return 1, new 0.1 -> inside the range: 0.81 / 2
+    #        old 0, return -1, new 0.5 -> the unclipped loss is larger: 2.25 / 2
+    #        old 1, return 0, new 0.5 -> clipped to 0.8: max(0.25, 0.64) / 2
+    vpred = torch.tensor([0.5, 0.1, 0.5, 0.5])
+    old = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    returns = torch.tensor([1.0, 1.0, -1.0, 0.0])
+    losses, clipped = ppo.value_loss(vpred, old, returns, cliprange_value=0.2)
+    assert losses.tolist() == pytest.approx([0.32, 0.405, 1.125, 0.32])
+    assert clipped.tolist() == [1, 0, 0, 1]
+    # policy: ratio 1.5 or 0.5 against advantage +1 or -1, clip range 0.2
+    new = torch.log(torch.tensor([1.5, 1.5, 0.5, 0.5]))
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    losses, clipped, ratio, logratio = ppo.policy_loss(new, torch.zeros(4), advantages, cliprange=0.2)
+    assert losses.tolist() == pytest.approx([-1.2, 1.5, -0.5, 0.8])
+    assert clipped.tolist() == [1, 0, 0, 1]
+    assert ratio.tolist() == pytest.approx([1.5, 1.5, 0.5, 0.5]) and torch.allclose(logratio, new)
+
+
+def test_statistics_cover_real_tokens_only():
+    mask = torch.tensor([[True, True, False]])
+    garbage = torch.tensor([[0.0, 0.0, 1e6]])
+    logratio = torch.tensor([[0.2, -0.2, 0.0]]) + garbage
+    s = ppo.token_stats(logratio, logratio.exp(), torch.tensor([[1.0, 0.0, 1.0]]), torch.tensor([[2.0, 4.0, 1e6]]),
+                        mask, torch.tensor([[1.0, 1.0, 1.0]]), torch.tensor([[True, False, False]]))
+    names = dict(zip(ppo.STAT_NAMES[2:], s.tolist()))
+    assert names["policy_tokens"] == 2 and names["value_tokens"] == 1
+    assert names["approxkl"] / 2 == pytest.approx(0.5 * 0.04)
+    assert names["pg_clipfrac"] / 2 == 0.5 and names["entropy"] / 2 == 3.0 and names["vf_clipfrac"] == 1.0
+    assert names["ratio"] / 2 == pytest.approx((math.exp(0.2) + math.exp(-0.2)) / 2)
+
+
+def test_adaptive_kl_controller():
+    ctl = ppo.AdaptiveKLController(0.05, target=6.0, horizon=10000)
+    ctl.update(9.0, 512)  # error 0.5 clipped to 0.2
+    assert ctl.value == pytest.approx(0.05 * (1 + 0.2 * 512 / 10000))
+    before = ctl.value
+    ctl.update(5.4, 1000)  # error -0.1
+    assert ctl.value == pytest.approx(before * (1 - 0.1 * 1000 / 10000))
+
+
+def test_derive_batch_sizes():
+    args = ppo.Args(local_micro_batch_size=2, gradient_accumulation_steps=4, nminibatches=2,
+                    local_rollout_forward_batch_size=8, total_episodes=100)
+    ppo.derive_batch_sizes(args, world_size=2)
+    assert (args.local_mini_batch_size, args.local_batch_size, args.mini_batch_size, args.batch_size,
+            args.num_updates) == (8, 16, 16, 32, 3)
+    paper = ppo.Args(local_micro_batch_size=16, gradient_accumulation_steps=4)  # the 1B sbatch knobs
+    ppo.derive_batch_sizes(paper, world_size=8)
+    assert (paper.local_batch_size, paper.batch_size, paper.num_updates) == (64, 512, 1953)
+    with pytest.raises(ValueError, match="not divisible by --local_rollout_forward_batch_size"):
+        ppo.derive_batch_sizes(ppo.Args(local_micro_batch_size=3, gradient_accumulation_steps=2,
+                                        local_rollout_forward_batch_size=4), world_size=1)
+    with pytest.raises(ValueError, match="no update possible"):
+        ppo.derive_batch_sizes(ppo.Args(total_episodes=100, local_micro_batch_size=8, gradient_accumulation_steps=4,
+                                        local_rollout_forward_batch_size=8), world_size=4)
+    with pytest.raises(ValueError, match="nminibatches must be >= 1"):
+        ppo.derive_batch_sizes(ppo.Args(nminibatches=0), world_size=1)
+
+
+def test_validation_queries_walk_the_split_and_seeds():
+    order = [4, 2, 0, 3, 1]
+    assert [ppo.cycling_slice(order, start, 2) for start in (0, 2, 4)] == [[4, 2], [0, 3], [1, 4]]
+    # one process with 4 queries = two processes with 2 each, update after update
+    for update in range(3):
+        one = ppo.cycling_slice(order, update * 4, 4)
+        two = ppo.cycling_slice(order, update * 4, 2) + ppo.cycling_slice(order, update * 4 + 2, 2)
+        assert one == two
+    assert ppo.derived_seed(1, 0, 2, 3) == ppo.derived_seed(1, 0, 2, 3) != ppo.derived_seed(1, 0, 3, 2)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with ppo.sampling_rng(123, torch.device("cpu")):
+        a = torch.rand(2)
+    assert torch.equal(torch.rand(3), expected)  # the surrounding stream is untouched
+    with ppo.sampling_rng(123, torch.device("cpu")):
+        assert torch.equal(torch.rand(2), a)
+
+
+def test_pad_is_never_sampled_and_generation_logprobs_are_the_training_logprobs(one_thread):
+    """At T=1 a random 40-token model would sample [PAD] ~10 times in 400 draws; it never does.
+    The logprobs taken from generation equal a training-style forward with the same temperature
+    and the same [PAD] masking; without the masking they would not (the normaliser differs)."""
+    model = tiny_lm()
+    queries = torch.tensor([[PAD, 5, 6], [7, 8, 9]])
+    config = ppo.generation_config(200, 1.0, PAD)
+    torch.manual_seed(0)
+    responses, logprobs = ppo.generate_with_logprobs(model, queries, PAD, config)
+    assert responses.shape == (2, 200) and (responses != PAD).all()
+    with torch.no_grad():
+        logits = ppo.forward(model, torch.cat([queries, responses], 1), PAD).logits[:, 2:-1]
+    train = ppo.gather_logprobs(ppo.scaled_logits(logits, 1.0, PAD), responses)
+    assert (train - logprobs).abs().max() < 1e-5
+    unmasked = ppo.gather_logprobs(logits / (1.0 + 1e-7), responses)
+    assert (unmasked - logprobs).abs().min() > 1e-4  # the [PAD] mass is not in the generation normaliser
+    assert torch.isfinite(ppo.entropy_from_logits(ppo.scaled_logits(logits, 1.0, PAD))).all()
+
+
+def test_generation_logprobs_match_on_left_padded_queries(tiny_datasets, models_dir, one_thread):
+    """The tiny base model, real left-padded queries, the rollout temperature."""
+    data_dir, _ = tiny_datasets
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(models_dir, "pythia-tiny-s")).eval()
+    queries = torch.tensor(load_from_disk(os.path.join(data_dir, "sft"))["train"][:6]["query_token"])
+    assert (queries[:, 0] == PAD).any()  # some are left-padded
+    torch.manual_seed(0)
+    responses, logprobs = ppo.generate_with_logprobs(model, queries, PAD, ppo.generation_config(32, 0.7, PAD))
+    with torch.no_grad():
+        logits = ppo.forward(model, torch.cat([queries, responses], 1), PAD).logits[:, queries.shape[1] - 1:-1]
+    train = ppo.gather_logprobs(ppo.scaled_logits(logits, 0.7, PAD), responses)
+    assert (train - logprobs).abs().max() < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# runs of the script
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(models_dir, tmp_path_factory):
+    """(SFT, reward model) stand-ins. The tiny base model (5 pretraining steps) almost never samples
+    EOS, so the "SFT" is the base model with an EOS bias: the final layer norm's bias gets a unit
+    vector u and EOS's output row 0.5 u, so about half of the 32-token rollouts end, at varied
+    lengths, and the masks, the EOS penalty and the score placement take part in every run. The
+    reward model is that backbone with a seeded head, saved as reward.py saves one."""
+    base = os.path.join(models_dir, "pythia-tiny-s")
+    folder = tmp_path_factory.mktemp("ppo_checkpoints")
+    sft_path, rm_path = str(folder / "sft"), str(folder / "reward_model")
+    tokenizer = reward.load_tokenizer(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    u = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.gpt_neox.final_layer_norm.bias += 3 * u / u.norm()
+        model.get_output_embeddings().weight[EOS] += 0.5 * u / u.norm()
+    model.save_pretrained(sft_path)
+    tokenizer.save_pretrained(sft_path)
+    reward.load_reward_model(sft_path, tokenizer, head_seed=1).save_pretrained(rm_path)
+    tokenizer.save_pretrained(rm_path)
+    return sft_path, rm_path
+
+
+def tiny_args(tiny_datasets, checkpoints, workdir, name, **overrides) -> ppo.Args:
+    data_dir, _ = tiny_datasets
+    sft_path, rm_path = checkpoints
+    args = ppo.Args(
+        base_model=sft_path, sft_model_path=sft_path, reward_model_path=rm_path,
+        query_dataset=os.path.join(data_dir, "sft"), response_length=32, run_name=name, seed=3,
+        output_dir=os.path.join(workdir, name), print_sample_output_freq=0,
+    )
+    for key, value in overrides.items():
+        if key.startswith("ppo_"):
+            setattr(args.ppo, key[len("ppo_"):], value)
+        else:
+            setattr(args, key, value)
+    return args
+
+
+def read_metrics(workdir, name) -> list:
+    with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def run_ppo(args: ppo.Args, workdir) -> list:
+    """ppo.main in this process, run from `workdir` (runs/ lands there); the metrics lines."""
+    cwd = os.getcwd()
+    os.makedirs(workdir, exist_ok=True)
+    os.chdir(workdir)
+    try:
+        ppo.main(args)
+    finally:
+        os.chdir(cwd)
+        # accelerate keeps process-wide singletons; the next in-process run starts clean
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    return read_metrics(workdir, args.run_name)
+
+
+def flags(args: ppo.Args) -> list:
+    """The command line of `args` (the fields that differ from the defaults)."""
+    default, out = ppo.Args(), []
+    for key, value in vars(args).items():
+        if key == "ppo":
+            out += [f"--ppo.{k}" if v is True else f"--ppo.no_{k}" if v is False else f"--ppo.{k}={v}"
+                    for k, v in vars(value).items() if getattr(default.ppo, k) != v]
+        elif getattr(default, key) != value:
+            out += [f"--{key}" if value is True else f"--no_{key}" if value is False else f"--{key}={value}"]
+    return out
+
+
+def launch(args: ppo.Args, workdir, num_processes: int, config=None):
+    """The script through `accelerate launch` (gloo on CPU); returns (stdout, metrics)."""
+    base = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    if config:
+        cmd = base + ["--config_file", config, "--num_processes", str(num_processes)]
+    else:  # DDP over gloo on CPU (with DeepSpeed this variable would drop the plugin)
+        cmd = base + ["--multi_gpu", "--num_processes", str(num_processes)]
+        env["ACCELERATE_USE_CPU"] = "1"
+    result = subprocess.run(cmd + [SCRIPT, *flags(args)], capture_output=True, text=True, env=env, cwd=workdir,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout, read_metrics(workdir, args.run_name)
+
+
+def assert_same_metrics(a: list, b: list, rel: float, abs_: float) -> None:
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x.keys() - NOT_COMPARED:
+            assert x[key] == pytest.approx(y[key], rel=rel, abs=abs_), (x["step"], key, x[key], y[key])
+
+
+def assert_same_params(a: dict, b: dict, rtol: float, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=rtol, atol=atol), (key, (a[key] - b[key]).abs().max())
+
+
+METRIC_NAMES = {
+    "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/score_total",
+    "objective/scores", "objective/validation_score", "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg",
+    "ppo/loss/policy_avg", "ppo/loss/value_avg", "ppo/val/clipfrac_avg", "ppo/policy/entropy_avg", "ppo/val/ratio",
+    "ppo/val/ratio_var", "ppo/val/ratio_first_minibatch", "ppo/policy/approxkl_first_minibatch",
+    "ppo/policy/clipfrac_first_minibatch", "ppo/val/num_eos_tokens", "ppo/val/response_length", "ppo/lr",
+    "ppo/episode", "ppo/eps",
+}
+
+
+def test_smoke_one_update_of_the_tiny_default(tiny_datasets, checkpoints, tmp_path, one_thread, monkeypatch):
+    """One update of 64 episodes at the tiny default sizes, with the final eval and saving, in under
+    a minute. The first minibatch of the first epoch has ratio 1 and approxkl ~ 0."""
+    workdir = str(tmp_path)
+    args = tiny_args(tiny_datasets, checkpoints, workdir, "smoke", total_episodes=64, local_micro_batch_size=16,
+                     gradient_accumulation_steps=4, local_rollout_forward_batch_size=64, local_eval_batch_size=16,
+                     run_eval=True, print_sample_output_freq=1, track=True)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    start = time.time()
+    (m,) = run_ppo(args, workdir)[:1]
+    elapsed = time.time() - start
+    assert elapsed < 60, elapsed
+    assert METRIC_NAMES <= m.keys() and m["step"] == 1 and m["ppo/episode"] == 64 and m["ppo/lr"] == args.lr
+    assert m["ppo/val/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-5)
+    assert m["ppo/policy/approxkl_first_minibatch"] < 1e-9 and m["ppo/policy/clipfrac_first_minibatch"] == 0
+    assert abs(m["objective/kl"]) < 1e-4  # policy == reference before the first step
+    # the SFT stand-in ends some responses, not all: masks and the EOS penalty both take part
+    assert 8 <= m["ppo/val/num_eos_tokens"] <= 56 and 8 <= m["ppo/val/response_length"] < 32
+
+    data = load_from_disk(os.path.join(tiny_datasets[0], "sft"))
+    final = {k: v for line in read_metrics(workdir, "smoke") for k, v in line.items()}
+    rm = AutoModelForSequenceClassification.from_pretrained(checkpoints[1]).eval()
+    for split in ("validation", "test"):
+        table = pd.read_csv(os.path.join(workdir, "runs", "smoke", f"{split}_table.csv"), keep_default_na=False)
+        assert list(table.columns) == ["query", "postprocessed_response", "reference_responses", "scores",
+                                       "reference_scores"]
+        assert len(table) == len(data[split])  # every row once
+        # the reference scores are the reward model's scores of [left-padded query | reference]
+        rows = data[split].select(range(4))
+        ids = torch.cat([torch.tensor(rows["query_token"]), torch.tensor(rows["reference_response_token"])], 1)
+        with torch.no_grad():
+            expected = reward.get_reward(rm, ids, PAD)
+        assert table["reference_scores"][:4].tolist() == pytest.approx(expected.tolist(), abs=1e-4)
+        assert final[f"eval/{split}/scores"] == pytest.approx(table["scores"].mean(), abs=1e-5)
+        assert final[f"eval/{split}/reference_scores"] == pytest.approx(table["reference_scores"].mean(), abs=1e-5)
+    samples = pd.read_csv(os.path.join(workdir, "runs", "smoke", "samples_1.csv"))
+    assert len(samples) == 16
+    assert os.path.isdir(os.path.join(workdir, "wandb"))  # --track wrote an offline wandb run
+
+    # only the policy is saved, as a plain causal LM that loads offline and generates until EOS
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    saved = load_file(os.path.join(workdir, "smoke", "model.safetensors"))
+    base = load_file(os.path.join(checkpoints[0], "model.safetensors"))
+    assert saved.keys() == base.keys()  # no critic, no score head
+    assert any(not torch.equal(saved[k], base[k]) for k in saved)
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(workdir, "smoke"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(workdir, "smoke"))
+    assert type(policy).__name__ == "GPTNeoXForCausalLM" and tokenizer.pad_token_id == PAD
+    assert policy.generation_config.eos_token_id == EOS  # (rollouts cleared it only while generating)
+
+
+@pytest.fixture(scope="module")
+def split_runs(tiny_datasets, checkpoints, tmp_path_factory):
+    """Two updates of a local batch of 8 in 2 minibatches of 4, split as micro-batch x accumulation
+    = 1 x 4, 2 x 2 and 4 x 1; and the paper's per-micro-batch normalisation at 1 x 4 and 4 x 1.
+
+    Adam's first step is lr * g / (|g| + eps): with the default eps it is nearly sign(g), blind to a
+    wrongly scaled loss. With eps 1 the update is ~ lr * g, so a normalisation that depended on the
+    split would move the weights differently (gradient clipping is off for the same reason)."""
+    workdir = str(tmp_path_factory.mktemp("ppo_split"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    runs = {}
+    try:
+        for micro, normalization in ((1, "minibatch"), (2, "minibatch"), (4, "minibatch"), (1, "micro_batch"),
+                                     (4, "micro_batch")):
+            name = f"micro{micro}_{normalization}"
+            args = tiny_args(tiny_datasets, checkpoints, workdir, name, total_episodes=16, nminibatches=2,
+                             local_micro_batch_size=micro, gradient_accumulation_steps=4 // micro,
+                             local_rollout_forward_batch_size=8, local_eval_batch_size=4, lr=0.05, eps=1.0,
+                             max_grad_norm=1e9, print_sample_output_freq=1, ppo_loss_normalization=normalization)
+            runs[name] = (run_ppo(args, workdir), load_file(os.path.join(workdir, name, "model.safetensors")))
+    finally:
+        torch.set_num_threads(threads)
+    return workdir, runs
+
+
+def test_micro_batch_split_gives_the_same_update(split_runs, checkpoints):
+    _, runs = split_runs
+    reference, reference_params = runs["micro1_minibatch"]
+    for name in ("micro2_minibatch", "micro4_minibatch"):
+        metrics, params = runs[name]
+        # float32 sums in a different order; Adam with eps 1 does not magnify them
+        assert_same_metrics(reference, metrics, rel=1e-4, abs_=1e-6)
+        assert_same_params(reference_params, params, rtol=1e-4, atol=1e-6)
+    # the test can fail: the paper's per-micro-batch token mean changes with the split
+    paper1, paper1_params = runs["micro1_micro_batch"]
+    paper4, paper4_params = runs["micro4_micro_batch"]
+    assert paper4[0]["ppo/loss/policy_avg"] == pytest.approx(reference[0]["ppo/loss/policy_avg"], rel=1e-4)
+    key = "gpt_neox.layers.0.attention.dense.weight"
+    assert (paper1_params[key] - paper4_params[key]).abs().max() > 1e-4
+    # (micro-batch = minibatch: both normalisations are the same thing)
+    assert_same_params(paper4_params, reference_params, rtol=1e-4, atol=1e-6)
+    # and the updates really moved the policy
+    base = load_file(os.path.join(checkpoints[0], "model.safetensors"))
+    assert (reference_params[key] - base[key]).abs().max() > 1e-3
+
+
+def test_ratio_is_one_on_the_first_minibatch(split_runs):
+    """Every update's first minibatch of its first epoch: generation logprobs == training logprobs,
+    so ratio 1 and approxkl ~ 0; after steps at this large learning rate they are far from it."""
+    _, runs = split_runs
+    for name, (metrics, _) in runs.items():
+        for m in metrics:
+            assert m["ppo/val/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-5), name
+            assert m["ppo/policy/approxkl_first_minibatch"] < 1e-9, name
+            assert m["ppo/policy/approxkl_avg"] > 1e-4, name  # later minibatches see the updated policy
+
+
+def test_validation_score_uses_new_queries_each_update(split_runs, tiny_datasets):
+    workdir, runs = split_runs
+    tables = [pd.read_csv(os.path.join(workdir, "runs", "micro1_minibatch", f"samples_{u}.csv")) for u in (1, 2)]
+    assert len(tables[0]) == len(tables[1]) == 4
+    assert not set(tables[0]["query"]) & set(tables[1]["query"])
+    validation = set(load_from_disk(os.path.join(tiny_datasets[0], "sft"))["validation"]["query"])
+    assert set(tables[0]["query"]) | set(tables[1]["query"]) <= validation
+    scores = [m["objective/validation_score"] for m in runs["micro1_minibatch"][0]]
+    assert scores[0] == pytest.approx(tables[0]["scores"].mean(), abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_datasets, checkpoints, tmp_path_factory):
+    """Global batch 8 for 3 updates in one process (micro-batch 2 x accumulation 4), with reward
+    whitening and the adaptive KL controller on so that the multi-process runs check them too."""
+    workdir = str(tmp_path_factory.mktemp("ppo_one"))
+    common = dict(total_episodes=24, local_micro_batch_size=2, local_rollout_forward_batch_size=2, lr=1e-3,
+                  ppo_whiten_rewards=True, ppo_use_adaptive_kl=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        args = tiny_args(tiny_datasets, checkpoints, workdir, "one", gradient_accumulation_steps=4,
+                         local_eval_batch_size=4, **common)
+        metrics = run_ppo(args, workdir)
+    finally:
+        torch.set_num_threads(threads)
+    two_args = tiny_args(tiny_datasets, checkpoints, workdir, "two", gradient_accumulation_steps=2,
+                         local_eval_batch_size=2, **common)
+    return workdir, metrics, load_file(os.path.join(workdir, "one", "model.safetensors")), two_args
+
+
+def test_adaptive_kl_coefficient_known_answer(one_process):
+    _, metrics, _, _ = one_process
+    coefs = [m["objective/kl_coef"] for m in metrics]
+    assert coefs[0] == 0.05
+    for before, after, m in zip(coefs, coefs[1:], metrics):
+        error = min(max(m["objective/kl"] / 6.0 - 1, -0.2), 0.2)
+        assert after == pytest.approx(before * (1 + error * 8 / 10000), rel=1e-9)
+
+
+# Tolerance of the invariance runs: the same responses are sampled (per-chunk seeds), but gradients
+# are summed in another order over processes; 3 updates keep float32 differences ~1e-6 relative.
+RUN_REL, RUN_ABS = 1e-4, 1e-6
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(one_process):
+    workdir, metrics, params, two_args = one_process
+    stdout, two = launch(two_args, workdir, 2)
+    assert "world_size 2" in stdout and len(two) == 3
+    assert_same_metrics(metrics, two, RUN_REL, RUN_ABS)
+    assert_same_params(params, load_file(os.path.join(workdir, "two", "model.safetensors")), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", [False, True])
+def test_deepspeed_matches_one_process(one_process, offload):
+    """ZeRO-2 for policy + critic over 2 processes; the frozen reference and reward model as
+    DeepSpeed inference engines, with --offload as ZeRO-3 engines whose parameters stay on the CPU."""
+    workdir, metrics, params, two_args = one_process
+    name = f"ds_offload{offload}"
+    args = ppo.Args(**{**vars(two_args), "run_name": name, "output_dir": os.path.join(workdir, name),
+                       "deepspeed": True, "offload": offload})
+    stdout, ds = launch(args, workdir, 2, config=DS_CONFIG)
+    if offload:
+        assert stdout.count("DeepSpeed ZeRO-3 engine, parameter offload cpu, 0 of") == 2, stdout[-2000:]
+    else:
+        assert stdout.count("DeepSpeed ZeRO-0 engine, parameter offload none") == 2, stdout[-2000:]
+    assert_same_metrics(metrics, ds, RUN_REL, RUN_ABS)
+    assert_same_params(params, load_file(os.path.join(workdir, name, "model.safetensors")), rtol=1e-4, atol=1e-6)
+
+
+def test_clear_errors(tiny_datasets, checkpoints, tmp_path):
+    workdir = str(tmp_path)
+    data_dir, _ = tiny_datasets
+
+    def fails(exception, match, **overrides):
+        settings = dict(total_episodes=8, local_micro_batch_size=2, gradient_accumulation_steps=4,
+                        local_rollout_forward_batch_size=8)
+        args = tiny_args(tiny_datasets, checkpoints, workdir, "x", **{**settings, **overrides})
+        with pytest.raises(exception, match=match):
+            run_ppo(args, workdir)
+
+    fails(ValueError, "--offload puts the frozen models on DeepSpeed", offload=True)
+    fails(ValueError, "accelerate is not configured for DeepSpeed", deepspeed=True)
+    fails(ValueError, "not divisible by --local_rollout_forward_batch_size", local_rollout_forward_batch_size=3)
+    fails(ValueError, r"lacks columns \['reference_response_token'\]", query_dataset=os.path.join(data_dir, "preference"))
+    fails(FileNotFoundError, "/no/such/rm does not exist", reward_model_path="/no/such/rm")
+    fails(FileNotFoundError, "does not exist \\(build it with tldr_dataset.py\\)", query_dataset="./nope")
