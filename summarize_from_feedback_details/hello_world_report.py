@@ -2,20 +2,24 @@
 
     python -m summarize_from_feedback_details.hello_world_report --runs_dir runs
 
-Reads the run folders the stages wrote (`runs/hello_world_<stage>/`) and judges the reward model's
-eval tables with the synthetic task's gold judge. A stage that has not run yet is left out.
+Reads the run folders the stages wrote (`runs/hello_world_<stage>/`), judges the reward model's
+eval tables and the policies' validation tables with the synthetic task's gold judge, and scores
+the SFT and PPO summaries with the same reward model. A stage that has not run yet is left out.
 """
 
 import json
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
+import torch
 import tyro
 from rich.console import Console
 from rich.table import Table
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from summarize_from_feedback_details.synthetic_tldr import reward_gold_agreement
+from summarize_from_feedback_details.synthetic_tldr import gold_preference, reward_gold_agreement
 
 
 @dataclass
@@ -23,6 +27,8 @@ class Args:
     runs_dir: str = "runs"
     prefix: str = "hello_world_"
     """run folders are `<runs_dir>/<prefix><stage>`"""
+    reward_model: str = "models/hello_world/reward_model"
+    """scores the SFT and PPO summaries (the same model for both)"""
 
 
 def last_metrics(run_folder: str) -> dict:
@@ -35,6 +41,40 @@ def last_metrics(run_folder: str) -> dict:
     return metrics
 
 
+@torch.no_grad()
+def reward_scores(reward_model, tokenizer, queries: list, responses: list, batch_size: int = 64) -> np.ndarray:
+    """The reward model's score of each [query | response + EOS], from the tables' text (both
+    policies' summaries go through this same path, so their scores compare fairly)."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    scores = []
+    for start in range(0, len(queries), batch_size):
+        rows = [tokenizer(q)["input_ids"] + tokenizer(r)["input_ids"] + [eos_id]
+                for q, r in zip(queries[start: start + batch_size], responses[start: start + batch_size])]
+        width = max(map(len, rows))
+        ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])  # right padding
+        scores.append(reward_model(input_ids=ids, attention_mask=ids != pad_id).logits[:, 0])
+    return torch.cat(scores).numpy()
+
+
+def policy_summary(table: pd.DataFrame, reward_model, tokenizer) -> dict:
+    """Gold-judge win rate against the reference summaries (ties count half), mean reward-model
+    score, and mean response length in tokens (EOS not counted) of a policy's validation table."""
+    queries, responses = list(table["query"]), list(table["postprocessed_response"])
+    wins = [gold_preference(q, r, ref) for q, r, ref in zip(queries, responses, table["reference_responses"])]
+    return {
+        "win_rate": float(np.mean(wins)),
+        "rm_score": float(reward_scores(reward_model, tokenizer, queries, responses).mean()),
+        "length": float(np.mean([len(tokenizer(r)["input_ids"]) for r in responses])),
+        "rows": len(table),
+    }
+
+
+def metric_history(run_folder: str, key: str) -> list:
+    """Every logged value of one metric, in order."""
+    with open(os.path.join(run_folder, "metrics.jsonl")) as f:
+        return [m[key] for m in map(json.loads, f) if key in m]
+
+
 def collect(args: Args) -> list:
     """(what, value) rows for every stage that has a run folder."""
     rows = []
@@ -42,9 +82,6 @@ def collect(args: Args) -> list:
     if os.path.isdir(sft):
         metrics = last_metrics(sft)
         rows.append(("SFT ROUGE-L (validation)", f"{metrics['validation/sft/rouge/rougeL']:.3f}"))
-        responses = pd.read_csv(os.path.join(sft, "validation_table.csv"), keep_default_na=False)
-        rows.append(("SFT mean response length (words)",
-                     f"{responses['postprocessed_response'].str.split().str.len().mean():.1f}"))
     reward = os.path.join(args.runs_dir, f"{args.prefix}reward")
     if os.path.isdir(reward):
         metrics = last_metrics(reward)
@@ -54,6 +91,21 @@ def collect(args: Args) -> list:
                                               table["chosen_rewards"], table["rejected_rewards"])
             rows.append((f"RM accuracy, {name}", f"{metrics[f'eval/rm/{split}/accuracy']:.3f} ({len(table)} pairs)"))
             rows.append((f"RM agreement with the gold judge, {name}", f"{agreement:.3f}"))
+    policies = {name: os.path.join(args.runs_dir, f"{args.prefix}{stage}", "validation_table.csv")
+                for name, stage in (("SFT", "sft"), ("PPO", "ppo"))}
+    policies = {name: path for name, path in policies.items() if os.path.exists(path)}
+    if policies and os.path.isdir(args.reward_model):
+        reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.reward_model)
+        for name, path in policies.items():
+            summary = policy_summary(pd.read_csv(path, keep_default_na=False), reward_model, tokenizer)
+            rows.append((f"{name} gold-judge win rate vs reference ({summary['rows']} prompts)", f"{summary['win_rate']:.3f}"))
+            rows.append((f"{name} mean reward-model score", f"{summary['rm_score']:.3f}"))
+            rows.append((f"{name} mean response length (tokens)", f"{summary['length']:.1f}"))
+    ppo = os.path.join(args.runs_dir, f"{args.prefix}ppo")
+    if os.path.isdir(ppo):
+        kl = metric_history(ppo, "objective/kl")[-5:]
+        rows.append(("PPO KL to the SFT policy (nats per response, last 5 updates)", f"{np.mean(kl):.2f}"))
     return rows
 
 

@@ -3,6 +3,7 @@ import os
 
 import pandas as pd
 import pytest
+import torch
 
 from summarize_from_feedback_details import hello_world_report as report
 
@@ -23,7 +24,8 @@ def write_run(folder, metrics_lines, tables):
 
 def test_report_reads_the_run_folders(tmp_path):
     runs = tmp_path / "runs"
-    assert report.collect(report.Args(runs_dir=str(runs))) == []  # nothing has run yet
+    args = report.Args(runs_dir=str(runs), reward_model=str(tmp_path / "no_reward_model"))
+    assert report.collect(args) == []  # nothing has run yet
     write_run(runs / "hello_world_sft", [{"train/sft/loss": 2.0}, {"validation/sft/rouge/rougeL": 0.4567}],
               {"validation_table.csv": pd.DataFrame({"query": [POST, POST], "postprocessed_response": [
                   " one two three", " one two three four five"], "reference_responses": ["x", "y"]})})
@@ -32,9 +34,8 @@ def test_report_reads_the_run_folders(tmp_path):
                                "chosen_rewards": [1.0, -1.0, 0.0], "rejected_rewards": [0.0, 1.0, 0.0]})
     write_run(runs / "hello_world_reward", [{"eval/rm/validation/accuracy": 0.7, "eval/rm/validation_cnndm/accuracy": 0.65}],
               {"eval_validation_table.csv": eval_table, "eval_validation_cnndm_table.csv": eval_table.iloc[:1]})
-    rows = dict(report.collect(report.Args(runs_dir=str(runs))))
+    rows = dict(report.collect(args))
     assert rows["SFT ROUGE-L (validation)"] == "0.457"
-    assert rows["SFT mean response length (words)"] == "4.0"
     assert rows["RM accuracy, TL;DR validation"] == "0.700 (3 pairs)"
     assert rows["RM agreement with the gold judge, TL;DR validation"] == "0.500"
     assert rows["RM accuracy, OOD (CNN/DM role)"] == "0.650 (1 pairs)"
@@ -44,3 +45,36 @@ def test_report_reads_the_run_folders(tmp_path):
 def test_last_metrics_keeps_the_latest_value(tmp_path):
     write_run(tmp_path / "run", [{"a": 1.0}, {"a": 2.0, "b": 3.0}], {})
     assert report.last_metrics(str(tmp_path / "run")) == pytest.approx({"a": 2.0, "b": 3.0})
+
+
+def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, tokenizer):
+    from transformers import AutoModelForSequenceClassification
+
+    from summarize_from_feedback_details import reward
+
+    rm_dir = str(tmp_path / "rm")
+    reward.load_reward_model(tokenizer_dir, reward.load_tokenizer(tokenizer_dir), head_seed=1).save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    good, poor = GOOD.replace("<|endoftext|>", ""), POOR.replace("<|endoftext|>", "")
+    runs = tmp_path / "runs"
+    # SFT: one win (good vs poor reference) and one loss; PPO: two wins
+    write_run(runs / "hello_world_sft", [{"validation/sft/rouge/rougeL": 0.5}], {"validation_table.csv": pd.DataFrame(
+        {"query": [POST, POST], "postprocessed_response": [good, poor], "reference_responses": [poor, good]})})
+    write_run(runs / "hello_world_ppo", [{"objective/kl": k} for k in (9.0, 1.0, 2.0, 3.0, 4.0, 5.0)],
+              {"validation_table.csv": pd.DataFrame({"query": [POST, POST], "postprocessed_response": [good, good],
+                                                     "reference_responses": [poor, poor]})})
+    rows = dict(report.collect(report.Args(runs_dir=str(runs), reward_model=rm_dir)))
+    assert rows["SFT gold-judge win rate vs reference (2 prompts)"] == "0.500"
+    assert rows["PPO gold-judge win rate vs reference (2 prompts)"] == "1.000"
+    assert rows["PPO KL to the SFT policy (nats per response, last 5 updates)"] == "3.00"
+    lengths = [len(tokenizer(r)["input_ids"]) for r in (good, poor)]
+    assert rows["SFT mean response length (tokens)"] == f"{sum(lengths) / 2:.1f}"
+    assert rows["PPO mean response length (tokens)"] == f"{lengths[0]:.1f}"
+    # the score of [query | response + EOS], read at the EOS, whatever the padding of the batch
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    ids = torch.tensor([tokenizer(POST)["input_ids"] + tokenizer(good)["input_ids"] + [tokenizer.eos_token_id]])
+    with torch.no_grad():
+        alone = model(input_ids=ids).logits[0, 0].item()
+    batched = report.reward_scores(model, tokenizer, [POST, POST], [poor, good])
+    assert batched[1] == pytest.approx(alone, abs=1e-5) and batched[0] != pytest.approx(alone, abs=1e-3)
+    assert rows["PPO mean reward-model score"] == f"{alone:.3f}"
