@@ -224,7 +224,8 @@ POLICY_WEIGHTS = {
     "ref": 3,          # the human reference summary
     "sup_full": 3,     # all key facts, concise (good paraphrase; beats the reference)
     "sup_terse": 2,    # relation and problem only (missing facts)
-    "sup_wrong": 2,    # one key fact replaced by a wrong value
+    "sup_wrong": 6,    # one key fact replaced by a wrong value (frequent: a reward model learns to
+                       # catch wrong facts only from many such pairs, and PPO otherwise adds them)
     "sup_filler": 2,   # a reference padded with irrelevant details
     "sup_verbose": 2,  # over-long: all facts, filler and restatements
     "sup_trunc": 2,    # a good summary cut off mid-sentence
@@ -336,7 +337,7 @@ def gold_preference(post: str, summary_a: str, summary_b: str) -> float:
 def reward_gold_agreement(queries: list, chosen: list, rejected: list, chosen_rewards: list,
                           rejected_rewards: list) -> float:
     """How often a reward model orders a pair as the gold judge does (ties of either count half),
-    from the columns of reward.py's eval table. The labels agree with the judge only ~0.83 of the
+    from the columns of reward.py's eval table. The labels agree with the judge only ~0.84 of the
     time, so this can exceed the model's label accuracy."""
     total = 0.0
     for query, a, b, reward_a, reward_b in zip(queries, chosen, rejected, chosen_rewards, rejected_rewards, strict=True):
