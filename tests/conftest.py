@@ -1,6 +1,9 @@
 import os
+import subprocess
+import sys
 
 import pytest
+from accelerate.state import AcceleratorState, GradientState
 
 from summarize_from_feedback_details import synthetic_tldr, tiny_models, tldr_dataset
 
@@ -68,3 +71,35 @@ def tiny_datasets(tmp_path_factory, raw_dir, tokenizer_dir):
     out = str(tmp_path_factory.mktemp("tldr") / "tldr")
     stats = tldr_dataset.run(tiny_dataset_args(raw_dir, tokenizer_dir, out))
     return out, stats
+
+
+def accelerate_launcher(num_processes: int, config: str = None) -> list:
+    """`accelerate launch` with a DeepSpeed config file, or DDP over gloo on CPU processes."""
+    base = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch"]
+    if config:
+        return base + ["--config_file", config, "--num_processes", str(num_processes)]
+    return base + ["--multi_gpu", "--num_processes", str(num_processes)]
+
+
+def run_script(cmd: list, cwd, **env) -> subprocess.CompletedProcess:
+    """A stage script as a user launches it, offline; a failure shows the tail of its output."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", **env)
+    if "--multi_gpu" in cmd:  # DDP over gloo on CPU (with DeepSpeed this variable would drop the plugin)
+        env["ACCELERATE_USE_CPU"] = "1"
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def run_in_process(main, args, workdir) -> None:
+    """A stage's `main(args)` in this process, run from `workdir` (its runs/ folder lands there)."""
+    cwd = os.getcwd()
+    os.makedirs(workdir, exist_ok=True)
+    os.chdir(workdir)
+    try:
+        main(args)
+    finally:
+        os.chdir(cwd)
+        # accelerate keeps process-wide singletons; the next in-process run starts clean
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

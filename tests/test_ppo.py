@@ -2,21 +2,19 @@ import inspect
 import json
 import math
 import os
-import subprocess
-import sys
 import threading
 import time
 
 import pandas as pd
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
                           GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForCausalLM,
                           GPTNeoXForSequenceClassification)
 
+from conftest import accelerate_launcher, run_in_process, run_script
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import reward, sft
 
@@ -396,16 +394,7 @@ def read_metrics(workdir, name) -> list:
 
 def run_ppo(args: ppo.Args, workdir) -> list:
     """ppo.main in this process, run from `workdir` (runs/ lands there); the metrics lines."""
-    cwd = os.getcwd()
-    os.makedirs(workdir, exist_ok=True)
-    os.chdir(workdir)
-    try:
-        ppo.main(args)
-    finally:
-        os.chdir(cwd)
-        # accelerate keeps process-wide singletons; the next in-process run starts clean
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    run_in_process(ppo.main, args, workdir)
     return read_metrics(workdir, args.run_name)
 
 
@@ -423,16 +412,7 @@ def flags(args: ppo.Args) -> list:
 
 def launch(args: ppo.Args, workdir, num_processes: int, config=None):
     """The script through `accelerate launch` (gloo on CPU); returns (stdout, metrics)."""
-    base = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    if config:
-        cmd = base + ["--config_file", config, "--num_processes", str(num_processes)]
-    else:  # DDP over gloo on CPU (with DeepSpeed this variable would drop the plugin)
-        cmd = base + ["--multi_gpu", "--num_processes", str(num_processes)]
-        env["ACCELERATE_USE_CPU"] = "1"
-    result = subprocess.run(cmd + [SCRIPT, *flags(args)], capture_output=True, text=True, env=env, cwd=workdir,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_script(accelerate_launcher(num_processes, config) + [SCRIPT, *flags(args)], workdir, OMP_NUM_THREADS="1")
     return result.stdout, read_metrics(workdir, args.run_name)
 
 

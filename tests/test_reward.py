@@ -2,18 +2,17 @@ import inspect
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pandas as pd
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
                           GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForSequenceClassification)
 
+from conftest import accelerate_launcher, run_in_process, run_script
 from summarize_from_feedback_details import reward, sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,16 +38,7 @@ def run_reward(tiny_datasets, models_dir, workdir, name, **overrides):
     )
     for key, value in overrides.items():
         setattr(args, key, value)
-    cwd = os.getcwd()
-    os.makedirs(workdir, exist_ok=True)
-    os.chdir(workdir)
-    try:
-        reward.main(args)
-    finally:
-        os.chdir(cwd)
-        # accelerate keeps process-wide singletons; the next in-process run starts clean
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    run_in_process(reward.main, args, workdir)
     with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
         metrics = {}
         for line in f:
@@ -340,22 +330,11 @@ def launch_reward(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()
            sft_model(models_dir), "--label_dataset", os.path.join(data_dir, "preference"), "--query_dataset",
            os.path.join(data_dir, "sft"), "--output_dir", str(tmp_path / name), "--run_name", name, "--seed", "3",
            "--lr", "1e-3", "--local_eval_batch_size", "64", *flags]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    if "--multi_gpu" in launcher:  # DDP over gloo on CPU (with DeepSpeed this flag would drop the plugin)
-        env["ACCELERATE_USE_CPU"] = "1"
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_script(cmd, tmp_path)
     with open(tmp_path / "runs" / name / "metrics.jsonl") as f:
         train = [m for m in map(json.loads, f) if "train/rm/loss" in m]
     pairs = pd.read_csv(tmp_path / "runs" / name / "train_pairs.csv")
     return result.stdout, train, load_file(str(tmp_path / name / "model.safetensors")), pairs
-
-
-def accelerate(num_processes, config=None):
-    base = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch"]
-    if config:
-        return base + ["--config_file", config, "--num_processes", str(num_processes)]
-    return base + ["--multi_gpu", "--num_processes", str(num_processes)]
 
 
 def curve(train, key="train/rm/loss"):
@@ -383,7 +362,7 @@ def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(tiny_
                                              "--gradient_accumulation_steps", "6", *common)
     out, two, p_two, pairs_two = launch_reward(tiny_datasets, models_dir, tmp_path, "two",
                                                "--gradient_accumulation_steps", "3", "--track", *common,
-                                               launcher=accelerate(2))
+                                               launcher=accelerate_launcher(2))
     assert "world_size 2" in out and n == 300
     assert len(os.listdir(tmp_path / "wandb" / "latest-run")) > 0  # --track: one offline wandb run (rank 0)
     assert len([d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run")]) == 1
@@ -402,7 +381,7 @@ def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(tiny_
     # the paper's order, kept behind a flag: each rank shuffles with its own seed, so an epoch
     # repeats some pairs and misses others
     _, _, _, paper = launch_reward(tiny_datasets, models_dir, tmp_path, "paper", "--gradient_accumulation_steps", "3",
-                                   "--rank_dependent_shuffle", *common, launcher=accelerate(2))
+                                   "--rank_dependent_shuffle", *common, launcher=accelerate_launcher(2))
     first_epoch = set(paper["row_index"][:n])
     assert len(paper) == 2 * n and len(first_epoch) < 0.9 * n
 
@@ -419,7 +398,7 @@ def test_deepspeed_zero2_matches_ddp(tiny_datasets, models_dir, tmp_path, num_pr
                                          "--gradient_accumulation_steps", "4")
     _, ds, p_ds, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "ds", "--deepspeed", *common,
                                    "--gradient_accumulation_steps", str(4 // num_processes),
-                                   launcher=accelerate(num_processes, DS_CONFIG))
+                                   launcher=accelerate_launcher(num_processes, DS_CONFIG))
     assert len(ds) == 4
     assert curve(plain) == pytest.approx(curve(ds), rel=1e-5)
     assert_same_params(p_plain, p_ds)
@@ -434,7 +413,7 @@ def test_deepspeed_zero3_matches_ddp_and_saves_the_normalised_model(tiny_dataset
     _, plain, p_plain, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "plain", *common,
                                          "--gradient_accumulation_steps", "4")
     _, ds, p_ds, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "z3", "--deepspeed", *common,
-                                   "--gradient_accumulation_steps", "2", launcher=accelerate(2, DS_ZERO3_CONFIG))
+                                   "--gradient_accumulation_steps", "2", launcher=accelerate_launcher(2, DS_ZERO3_CONFIG))
     assert curve(plain) == pytest.approx(curve(ds), rel=1e-5)
     assert_same_params(p_plain, p_ds)
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "z3").eval()

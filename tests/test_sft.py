@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
+from conftest import accelerate_launcher, run_script
 from summarize_from_feedback_details import sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,21 +138,10 @@ def run_sft(tiny_datasets, tokenizer_dir, tmp_path, name, *flags, launcher=()):
     cmd += [SCRIPT, "--base_model", tokenizer_dir, "--query_dataset", os.path.join(data_dir, "sft"),
             "--response_length", "32", "--lr", "3e-3", "--seed", "3", "--run_name", name,
             "--output_dir", str(tmp_path / name), *flags]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    if "--multi_gpu" in launcher:  # DDP over gloo on CPU (with DeepSpeed this flag would drop the plugin)
-        env["ACCELERATE_USE_CPU"] = "1"
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_script(cmd, tmp_path)
     with open(tmp_path / "runs" / name / "metrics.jsonl") as f:
         metrics = [json.loads(line) for line in f]
     return result, metrics, load_file(str(tmp_path / name / "model.safetensors"))
-
-
-def accelerate(num_processes, config=None):
-    base = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch"]
-    if config:
-        return base + ["--config_file", config, "--num_processes", str(num_processes)]
-    return base + ["--multi_gpu", "--num_processes", str(num_processes)]
 
 
 def assert_same_params(a, b, rtol=1e-5, atol=1e-6):
@@ -185,7 +175,7 @@ def test_two_processes_match_one_process(tiny_datasets, tokenizer_dir, tmp_path)
     common = ("--total_episodes", "24", "--local_micro_batch_size", "2")
     _, one, p_one = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "one", "--gradient_accumulation_steps", "4", *common)
     result, two, p_two = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "two", "--gradient_accumulation_steps", "2",
-                                 *common, launcher=accelerate(2))
+                                 *common, launcher=accelerate_launcher(2))
     assert "world_size 2" in result.stdout
     assert len(losses(one)) == 3
     assert losses(one) == pytest.approx(losses(two), rel=1e-5)  # float reduction order differs slightly
@@ -202,7 +192,7 @@ def test_deepspeed_matches_ddp(tiny_datasets, tokenizer_dir, tmp_path, config, n
     _, plain, p_plain = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "plain", *common,
                                 "--gradient_accumulation_steps", "4")
     _, ds, p_ds = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "ds", "--deepspeed", *common,
-                          "--gradient_accumulation_steps", str(4 // num_processes), launcher=accelerate(num_processes, config))
+                          "--gradient_accumulation_steps", str(4 // num_processes), launcher=accelerate_launcher(num_processes, config))
     assert losses(plain) == pytest.approx(losses(ds), rel=1e-5)
     assert_same_params(p_plain, p_ds, rtol=1e-4, atol=1e-6)
     evals = [{k: v for m in run for k, v in m.items() if k.startswith("validation/")} for run in (plain, ds)]
