@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test data clean
+.PHONY: install test clean
 
 install: $(STAMP)
 

@@ -5,15 +5,19 @@
 #
 #   ./hello_world.sh           set up .venv if needed, run every stage that has no output yet
 #   ./hello_world.sh --force   rerun every stage
+#   ./hello_world.sh --data    only the data, base models and tokenized datasets (what the sbatch
+#                              files' TINY=1 mode reads)
 set -euo pipefail
 cd "$(dirname "$0")"
 
 SEED=${SEED:-1}
 FORCE=0
+DATA_ONLY=0
 for arg in "$@"; do
     case "$arg" in
         --force) FORCE=1 ;;
-        *) echo "usage: $0 [--force]" >&2; exit 2 ;;
+        --data) DATA_ONLY=1 ;;
+        *) echo "usage: $0 [--force] [--data]" >&2; exit 2 ;;
     esac
 done
 
@@ -65,6 +69,9 @@ run_stage "tldr_dataset.py" $DATASET_DIR \
     $PY summarize_from_feedback_details/tldr_dataset.py --base_model $TOKENIZER \
         --sft_dataset $RAW_DIR/tldr_sft --preference_dataset $RAW_DIR/comparisons \
         --output_dir $DATASET_DIR --overwrite "${TINY_LENGTHS[@]}"
+if [[ $DATA_ONLY == 1 ]]; then
+    exit 0
+fi
 # Training stages: the model file is written last, so it marks a finished stage. A rerun starts
 # its run folder afresh (metrics.jsonl is appended to).
 run_training() {
@@ -92,13 +99,13 @@ run_stage "sft.py (summary tokens: the policy)" $OUT_DIR/sft/model.safetensors \
         --response_length $RESPONSE_LENGTH --run_eval
 # One epoch of the 6000 preference pairs at batch 32.
 run_stage "reward.py" $OUT_DIR/reward_model/model.safetensors \
-    run_training reward $PY summarize_from_feedback_details/reward.py --base_model $OUT_DIR/sft_all_tokens \
+    run_training reward $PY summarize_from_feedback_details/reward.py --base_model "$MODEL" \
         --sft_model_path $OUT_DIR/sft_all_tokens --label_dataset $DATASET_DIR/preference \
         --query_dataset $DATASET_DIR/sft --output_dir $OUT_DIR/reward_model --lr 1e-3 \
         --local_micro_batch_size 32 --gradient_accumulation_steps 1 --local_eval_batch_size 100 --run_eval
 # PPO: PPO_UPDATES updates of 64 rollouts (the paper: 1953 of 512), otherwise the paper's settings.
 run_stage "ppo_left_padding.py" $OUT_DIR/ppo/model.safetensors \
-    run_training ppo $PY summarize_from_feedback_details/ppo_left_padding.py --base_model $OUT_DIR/sft \
+    run_training ppo $PY summarize_from_feedback_details/ppo_left_padding.py --base_model "$MODEL" \
         --sft_model_path $OUT_DIR/sft --reward_model_path $OUT_DIR/reward_model \
         --query_dataset $DATASET_DIR/sft --output_dir $OUT_DIR/ppo --lr 1e-4 \
         --total_episodes $((PPO_UPDATES * 64)) --local_micro_batch_size 16 --gradient_accumulation_steps 4 \
