@@ -1,35 +1,50 @@
 #!/usr/bin/env bash
-# The embedded default end to end, on whatever hardware is here (a CPU is enough):
-#   synthetic TL;DR data + tiny Pythia-architecture base models -> tldr_dataset.py -> sft.py
-#   -> reward.py -> ppo_left_padding.py -> a results table (the eval plots join when eval/ lands)
+# The whole pipeline, data -> sft.py -> reward.py -> ppo_left_padding.py -> eval plots -> a results
+# table, on whatever hardware is here.
 #
-#   ./hello_world.sh           set up .venv if needed, run every stage that has no output yet
-#   ./hello_world.sh --force   rerun every stage
-#   ./hello_world.sh --data    only the data, base models and tokenized datasets (what the sbatch
-#                              files' TINY=1 mode reads)
+#   ./hello_world.sh           the embedded default (synthetic TL;DR data, tiny Pythia-architecture
+#                              models) on a CPU in about 10 minutes; sets up .venv first if needed
+#   ./hello_world.sh --force   rerun every stage (otherwise a stage whose output exists is skipped)
+#   ./hello_world.sh --data    only the embedded default's data, base models and tokenized datasets
+#                              (what the sbatch files' TINY=1 mode reads)
+#   MODEL=EleutherAI/pythia-410m-deduped ./hello_world.sh
+#                              the real pipeline with the paper's hyperparameters on this node's
+#                              GPUs: hub data and model, DeepSpeed ZeRO-2 (deepspeed.yaml), bf16
 set -euo pipefail
 cd "$(dirname "$0")"
 
 SEED=${SEED:-1}
+MODEL=${MODEL:-models/tiny/pythia-tiny-m}
 FORCE=0
 DATA_ONLY=0
 for arg in "$@"; do
     case "$arg" in
         --force) FORCE=1 ;;
         --data) DATA_ONLY=1 ;;
-        *) echo "usage: $0 [--force] [--data]" >&2; exit 2 ;;
+        *) echo "usage: [MODEL=<hub name>] $0 [--force] [--data]" >&2; exit 2 ;;
     esac
 done
 
+# --- memory knobs of the real pipeline (MODEL=<hub name>) -----------------------------------------
+# They never change the results. Each stage keeps the paper's batch size by deriving
+#   gradient_accumulation_steps = batch / (local_micro_batch_size x NUM_GPUS)
+# (SFT 128, RM 64, PPO 512), so on fewer GPUs the same command accumulates more steps, and when a
+# stage runs out of memory you halve its micro batch. The defaults fit Pythia 410m and 1b on 80 GB
+# GPUs; the sbatch files carry the values for 2.8b and 6.9b.
+NUM_GPUS=${NUM_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+SFT_MICRO_BATCH=${SFT_MICRO_BATCH:-16}
+RM_MICRO_BATCH=${RM_MICRO_BATCH:-8}
+PPO_MICRO_BATCH=${PPO_MICRO_BATCH:-16}
+PPO_ROLLOUT_FORWARD_BATCH=${PPO_ROLLOUT_FORWARD_BATCH:-64}   # rollout generation and scoring
+EVAL_BATCH=${EVAL_BATCH:-8}
+PPO_OFFLOAD=${PPO_OFFLOAD:-0}    # 1: the frozen reference and reward model live in CPU memory (6.9b)
+TRACK=${TRACK:-0}                # 1: log to wandb as well (WANDB_MODE=offline keeps it local)
+
+# --- the embedded default ------------------------------------------------------------------------
 RAW_DIR=data/raw                  # synthetic raw files in the upstream schemas
 BASE_MODELS_DIR=models/tiny       # pythia-tiny-{s,m,l}, one shared tokenizer
 TOKENIZER=$BASE_MODELS_DIR/pythia-tiny-s   # all tiny sizes share it
-DATASET_DIR=data/tldr             # tokenized sft/ and preference/ datasets
-MODEL=${MODEL:-$BASE_MODELS_DIR/pythia-tiny-m}
-OUT_DIR=models/hello_world        # sft/ and reward_model/
-RESPONSE_LENGTH=32                # the tiny default's longest reference summary is 24 tokens
-PPO_UPDATES=${PPO_UPDATES:-30}
-
+PPO_UPDATES=${PPO_UPDATES:-30}    # of 64 rollouts each (the paper: 1953 of 512)
 # Lengths of the tiny default (the paper: 512 / 53 / 562 / 169 / 638 and 1919 / 155 / 2021).
 TINY_LENGTHS=(
     --tldr_params.length 160
@@ -42,11 +57,31 @@ TINY_LENGTHS=(
     --cnndm_params.max_rm_query_response_length 400
 )
 
+if [[ $MODEL == "$BASE_MODELS_DIR"/* ]]; then
+    TINY=1
+    NAME=hello_world              # models/$NAME/<stage>, runs/${NAME}_<stage>
+    DATASET_DIR=data/tldr         # tokenized sft/ and preference/ datasets
+else
+    TINY=0
+    NAME=hello_world_$(basename "$MODEL")
+    DATASET_DIR=data/$(basename "$MODEL")
+    if [[ $DATA_ONLY == 1 ]]; then
+        echo "--data builds the embedded default; leave MODEL unset" >&2; exit 2
+    fi
+    if (( NUM_GPUS < 1 )); then
+        echo "MODEL=$MODEL runs the real pipeline, which needs GPUs (none found; set NUM_GPUS)" >&2; exit 2
+    fi
+fi
+OUT_DIR=models/$NAME
+PLOTS_DIR=eval/images/$NAME
+
 make install
 PY=.venv/bin/python
-export HF_HUB_OFFLINE=1
+if [[ $TINY == 1 ]]; then
+    export HF_HUB_OFFLINE=1
+fi
 
-# run_stage NAME OUTPUT COMMAND...: skipped when OUTPUT exists (each stage writes it atomically)
+# run_stage NAME OUTPUT COMMAND...: skipped when OUTPUT exists (each stage writes it last or atomically)
 run_stage() {
     local name=$1 output=$2
     shift 2
@@ -59,61 +94,108 @@ run_stage() {
     "$@"
     echo "== $name done in $((SECONDS - start)) s"
 }
-
-run_stage "synthetic TL;DR data" $RAW_DIR \
-    $PY -m summarize_from_feedback_details.synthetic_tldr --output_dir $RAW_DIR --seed "$SEED"
-run_stage "tiny base models" $BASE_MODELS_DIR \
-    $PY -m summarize_from_feedback_details.tiny_models --corpus $RAW_DIR/tldr_sft/train.jsonl \
-        --output_dir $BASE_MODELS_DIR --seed "$SEED"
-run_stage "tldr_dataset.py" $DATASET_DIR \
-    $PY summarize_from_feedback_details/tldr_dataset.py --base_model $TOKENIZER \
-        --sft_dataset $RAW_DIR/tldr_sft --preference_dataset $RAW_DIR/comparisons \
-        --output_dir $DATASET_DIR --overwrite "${TINY_LENGTHS[@]}"
-if [[ $DATA_ONLY == 1 ]]; then
-    exit 0
-fi
-# Training stages: the model file is written last, so it marks a finished stage. A rerun starts
-# its run folder afresh (metrics.jsonl is appended to).
+# run_training STAGE SCRIPT ARGS...: a training stage in a fresh run folder runs/${NAME}_STAGE
+# (metrics.jsonl is appended to, so a rerun must not inherit the last run's)
 run_training() {
-    local name=$1
-    shift
-    rm -rf "runs/hello_world_$name"
-    "$@" --run_name "hello_world_$name" --seed "$SEED"
+    local stage=$1 script=summarize_from_feedback_details/$2
+    shift 2
+    rm -rf "runs/${NAME}_$stage"
+    if [[ $TINY == 1 ]]; then
+        $PY "$script" "$@" --run_name "${NAME}_$stage" --seed "$SEED" --run_eval
+    else
+        local track=()
+        if [[ $TRACK == 1 ]]; then track=(--track); fi
+        .venv/bin/accelerate launch --config_file deepspeed.yaml --num_processes "$NUM_GPUS" "$script" "$@" \
+            --run_name "${NAME}_$stage" --seed "$SEED" --run_eval --deepspeed "${track[@]}"
+    fi
 }
-# Two SFT runs of one epoch over the 6000 SFT rows at batch 32 (tiny models learn at a much higher
-# lr than the paper's 3e-6 for Pythia):
-# - the paper's SFT, loss over every token (posts included): the reward model's backbone. Having
-#   modelled the posts, it catches wrong facts a little more often (reference preferred over a
-#   one-wrong-fact summary 0.57 vs 0.53; PPO's gold win rate 0.253 vs 0.228 from the other);
-# - the policy's SFT, loss over the summary only: a tiny model then spends its capacity on copying
-#   the post's facts (ROUGE-L 0.55 vs 0.47, gold-judge score 2.7 vs 0.4).
-run_stage "sft.py (all tokens: the reward model's backbone)" $OUT_DIR/sft_all_tokens/model.safetensors \
-    run_training sft_all_tokens $PY summarize_from_feedback_details/sft.py --base_model "$MODEL" \
-        --query_dataset $DATASET_DIR/sft --output_dir $OUT_DIR/sft_all_tokens --lr 3e-3 \
-        --local_micro_batch_size 32 --gradient_accumulation_steps 1 --local_eval_batch_size 100 \
-        --response_length $RESPONSE_LENGTH --run_eval
-run_stage "sft.py (summary tokens: the policy)" $OUT_DIR/sft/model.safetensors \
-    run_training sft $PY summarize_from_feedback_details/sft.py --base_model "$MODEL" \
-        --query_dataset $DATASET_DIR/sft --output_dir $OUT_DIR/sft --lr 3e-3 --response_only_loss \
-        --local_micro_batch_size 32 --gradient_accumulation_steps 1 --local_eval_batch_size 100 \
-        --response_length $RESPONSE_LENGTH --run_eval
-# One epoch of the 6000 preference pairs at batch 32.
-run_stage "reward.py" $OUT_DIR/reward_model/model.safetensors \
-    run_training reward $PY summarize_from_feedback_details/reward.py --base_model "$MODEL" \
-        --sft_model_path $OUT_DIR/sft_all_tokens --label_dataset $DATASET_DIR/preference \
-        --query_dataset $DATASET_DIR/sft --output_dir $OUT_DIR/reward_model --lr 1e-3 \
-        --local_micro_batch_size 32 --gradient_accumulation_steps 1 --local_eval_batch_size 100 --run_eval
-# PPO: PPO_UPDATES updates of 64 rollouts (the paper: 1953 of 512), otherwise the paper's settings.
-run_stage "ppo_left_padding.py" $OUT_DIR/ppo/model.safetensors \
-    run_training ppo $PY summarize_from_feedback_details/ppo_left_padding.py --base_model "$MODEL" \
-        --sft_model_path $OUT_DIR/sft --reward_model_path $OUT_DIR/reward_model \
-        --query_dataset $DATASET_DIR/sft --output_dir $OUT_DIR/ppo --lr 1e-4 \
-        --total_episodes $((PPO_UPDATES * 64)) --local_micro_batch_size 16 --gradient_accumulation_steps 4 \
-        --local_rollout_forward_batch_size 64 --local_eval_batch_size 16 --print_sample_output_freq 10 \
-        --response_length $RESPONSE_LENGTH --run_eval
+# accumulation BATCH MICRO: the gradient_accumulation_steps that keep the paper's BATCH
+accumulation() {
+    if (( $1 % ($2 * NUM_GPUS) != 0 )); then
+        echo "batch $1 is not a multiple of micro batch $2 x $NUM_GPUS GPUs: change the memory knobs" >&2
+        exit 2
+    fi
+    echo $(($1 / ($2 * NUM_GPUS)))
+}
+
+if [[ $TINY == 1 ]]; then
+    run_stage "synthetic TL;DR data" $RAW_DIR \
+        $PY -m summarize_from_feedback_details.synthetic_tldr --output_dir $RAW_DIR --seed 1
+    run_stage "tiny base models" $BASE_MODELS_DIR \
+        $PY -m summarize_from_feedback_details.tiny_models --corpus $RAW_DIR/tldr_sft/train.jsonl \
+            --output_dir $BASE_MODELS_DIR --seed 1
+    run_stage "tldr_dataset.py" $DATASET_DIR \
+        $PY summarize_from_feedback_details/tldr_dataset.py --base_model $TOKENIZER \
+            --sft_dataset $RAW_DIR/tldr_sft --preference_dataset $RAW_DIR/comparisons \
+            --output_dir $DATASET_DIR --overwrite "${TINY_LENGTHS[@]}"
+    if [[ $DATA_ONLY == 1 ]]; then
+        exit 0
+    fi
+    # Two SFT runs of one epoch over the 6000 SFT rows at batch 32 (tiny models learn at a much
+    # higher lr than the paper's 3e-6 for Pythia):
+    # - the paper's SFT, loss over every token (posts included): the reward model's backbone.
+    #   Having modelled the posts, it catches wrong facts a little more often (reference preferred
+    #   over a one-wrong-fact summary 0.57 vs 0.53; PPO's gold win rate 0.253 vs 0.228 from the other);
+    # - the policy's SFT, loss over the summary only: a tiny model then spends its capacity on
+    #   copying the post's facts (ROUGE-L 0.55 vs 0.47, gold-judge score 2.7 vs 0.4).
+    TINY_SFT=(--base_model "$MODEL" --query_dataset $DATASET_DIR/sft --lr 3e-3 --local_micro_batch_size 32
+              --gradient_accumulation_steps 1 --local_eval_batch_size 100 --response_length 32)
+    run_stage "sft.py (all tokens: the reward model's backbone)" $OUT_DIR/sft_all_tokens/model.safetensors \
+        run_training sft_all_tokens sft.py "${TINY_SFT[@]}" --exp_name sft_all_tokens --output_dir $OUT_DIR/sft_all_tokens
+    run_stage "sft.py (summary tokens: the policy)" $OUT_DIR/sft/model.safetensors \
+        run_training sft sft.py "${TINY_SFT[@]}" --response_only_loss --output_dir $OUT_DIR/sft
+    # One epoch of the 6000 preference pairs at batch 32.
+    run_stage "reward.py" $OUT_DIR/reward_model/model.safetensors \
+        run_training reward reward.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft_all_tokens \
+            --label_dataset $DATASET_DIR/preference --query_dataset $DATASET_DIR/sft \
+            --output_dir $OUT_DIR/reward_model --lr 1e-3 --local_micro_batch_size 32 \
+            --gradient_accumulation_steps 1 --local_eval_batch_size 100
+    # PPO_UPDATES updates of 64 rollouts, otherwise the paper's settings. The longest reference
+    # summary of the tiny default is 24 tokens, hence 32 new tokens instead of 53.
+    run_stage "ppo_left_padding.py" $OUT_DIR/ppo/model.safetensors \
+        run_training ppo ppo_left_padding.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
+            --reward_model_path $OUT_DIR/reward_model --query_dataset $DATASET_DIR/sft \
+            --output_dir $OUT_DIR/ppo --lr 1e-4 --total_episodes $((PPO_UPDATES * 64)) \
+            --local_micro_batch_size 16 --gradient_accumulation_steps 4 --local_rollout_forward_batch_size 64 \
+            --local_eval_batch_size 16 --print_sample_output_freq 10 --response_length 32
+else
+    # The paper's pipeline: hub data tokenized for MODEL with the paper's lengths, one SFT (loss
+    # over every token) that is both the policy and the reward model's backbone, lr 3e-6 everywhere.
+    SFT_ACCUMULATION=$(accumulation 128 "$SFT_MICRO_BATCH")
+    RM_ACCUMULATION=$(accumulation 64 "$RM_MICRO_BATCH")
+    PPO_ACCUMULATION=$(accumulation 512 "$PPO_MICRO_BATCH")
+    run_stage "tldr_dataset.py" $DATASET_DIR \
+        $PY summarize_from_feedback_details/tldr_dataset.py --base_model "$MODEL" --output_dir "$DATASET_DIR"
+    run_stage "sft.py" $OUT_DIR/sft/model.safetensors \
+        run_training sft sft.py --base_model "$MODEL" --query_dataset "$DATASET_DIR/sft" \
+            --output_dir $OUT_DIR/sft --local_micro_batch_size "$SFT_MICRO_BATCH" \
+            --gradient_accumulation_steps "$SFT_ACCUMULATION" \
+            --local_eval_batch_size "$EVAL_BATCH"
+    run_stage "reward.py" $OUT_DIR/reward_model/model.safetensors \
+        run_training reward reward.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
+            --label_dataset "$DATASET_DIR/preference" --query_dataset "$DATASET_DIR/sft" \
+            --output_dir $OUT_DIR/reward_model --local_micro_batch_size "$RM_MICRO_BATCH" \
+            --gradient_accumulation_steps "$RM_ACCUMULATION" \
+            --local_eval_batch_size "$EVAL_BATCH"
+    ppo_offload=()
+    if [[ $PPO_OFFLOAD == 1 ]]; then ppo_offload=(--offload); fi
+    run_stage "ppo_left_padding.py" $OUT_DIR/ppo/model.safetensors \
+        run_training ppo ppo_left_padding.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
+            --reward_model_path $OUT_DIR/reward_model --query_dataset "$DATASET_DIR/sft" \
+            --output_dir $OUT_DIR/ppo --local_micro_batch_size "$PPO_MICRO_BATCH" \
+            --gradient_accumulation_steps "$PPO_ACCUMULATION" \
+            --local_rollout_forward_batch_size "$PPO_ROLLOUT_FORWARD_BATCH" \
+            --local_eval_batch_size "$EVAL_BATCH" "${ppo_offload[@]}"
+fi
+
+# EVAL_STEP_PLACEHOLDER
+
 echo
-echo "datasets: $DATASET_DIR/sft, $DATASET_DIR/preference (plots in $DATASET_DIR/dataset_visuals)"
-echo "base models: $BASE_MODELS_DIR/pythia-tiny-{s,m,l}"
-echo "label statistics of the synthetic data: $RAW_DIR/label_stats.json"
-echo "models: $OUT_DIR/{sft_all_tokens,sft,reward_model,ppo}; run folders (metrics, eval tables): runs/hello_world_*"
-$PY -m summarize_from_feedback_details.hello_world_report --runs_dir runs
+if [[ $TINY == 1 ]]; then
+    echo "datasets: $DATASET_DIR/sft, $DATASET_DIR/preference (plots in $DATASET_DIR/dataset_visuals)"
+    echo "label statistics of the synthetic data: $RAW_DIR/label_stats.json"
+fi
+gold_judge=()
+if [[ $TINY == 0 ]]; then gold_judge=(--no_gold_judge); fi
+$PY -m summarize_from_feedback_details.hello_world_report --runs_dir runs --prefix "${NAME}_" \
+    --models_dir $OUT_DIR --plots_dir "$PLOTS_DIR" "${gold_judge[@]}"

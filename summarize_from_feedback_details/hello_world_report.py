@@ -1,10 +1,11 @@
-"""The summary table that ends `./hello_world.sh`: what each stage of the embedded default reached.
+"""The summary table that ends `./hello_world.sh`: what each stage reached, and where things are.
 
     python -m summarize_from_feedback_details.hello_world_report --runs_dir runs
 
 Reads the run folders the stages wrote (`runs/hello_world_<stage>/`), judges the reward model's
-eval tables and the policies' validation tables with the synthetic task's gold judge, and scores
-the SFT and PPO summaries with the same reward model. A stage that has not run yet is left out.
+eval tables and the policies' validation tables with the synthetic task's gold judge (embedded
+default only; real data needs the chat judge of eval/rlhf_scaling_plot.py), and scores the SFT
+and PPO summaries with the same reward model. A stage that has not run yet is left out.
 """
 
 import json
@@ -27,8 +28,13 @@ class Args:
     runs_dir: str = "runs"
     prefix: str = "hello_world_"
     """run folders are `<runs_dir>/<prefix><stage>`"""
-    reward_model: str = "models/hello_world/reward_model"
-    """scores the SFT and PPO summaries (the same model for both)"""
+    models_dir: str = "models/hello_world"
+    """holds the stages' models; its `reward_model` scores the SFT and PPO summaries (the same
+    model for both)"""
+    plots_dir: str = "eval/images/hello_world"
+    """where hello_world.sh had eval/ write its plots"""
+    gold_judge: bool = True
+    """judge with the synthetic task's gold judge (only meaningful on the embedded default)"""
 
 
 def last_metrics(run_folder: str) -> dict:
@@ -94,18 +100,27 @@ def collect(args: Args) -> list:
     policies = {name: os.path.join(args.runs_dir, f"{args.prefix}{stage}", "validation_table.csv")
                 for name, stage in (("SFT", "sft"), ("PPO", "ppo"))}
     policies = {name: path for name, path in policies.items() if os.path.exists(path)}
-    if policies and os.path.isdir(args.reward_model):
-        reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.reward_model)
+    reward_model_dir = os.path.join(args.models_dir, "reward_model")
+    if policies and os.path.isdir(reward_model_dir):
+        reward_model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+        tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
         for name, path in policies.items():
             summary = policy_summary(pd.read_csv(path, keep_default_na=False), reward_model, tokenizer)
-            rows.append((f"{name} gold-judge win rate vs reference ({summary['rows']} prompts)", f"{summary['win_rate']:.3f}"))
+            if args.gold_judge:
+                rows.append((f"{name} gold-judge win rate vs reference ({summary['rows']} prompts)",
+                             f"{summary['win_rate']:.3f}"))
             rows.append((f"{name} mean reward-model score", f"{summary['rm_score']:.3f}"))
             rows.append((f"{name} mean response length (tokens)", f"{summary['length']:.1f}"))
     ppo = os.path.join(args.runs_dir, f"{args.prefix}ppo")
     if os.path.isdir(ppo):
         kl = metric_history(ppo, "objective/kl")[-5:]
         rows.append(("PPO KL to the SFT policy (nats per response, last 5 updates)", f"{np.mean(kl):.2f}"))
+    if os.path.isdir(args.models_dir):
+        models = sorted(name for name in os.listdir(args.models_dir) if os.path.isdir(os.path.join(args.models_dir, name)))
+        rows.append(("models", f"{args.models_dir}/{{{','.join(models)}}}"))
+    if os.path.isdir(args.plots_dir):
+        plots = [name for name in os.listdir(args.plots_dir) if name.endswith(".png")]
+        rows.append(("plots", f"{args.plots_dir}/*.png ({len(plots)} plots, with PDF, markdown and CSV)"))
     return rows
 
 

@@ -24,7 +24,7 @@ def write_run(folder, metrics_lines, tables):
 
 def test_report_reads_the_run_folders(tmp_path):
     runs = tmp_path / "runs"
-    args = report.Args(runs_dir=str(runs), reward_model=str(tmp_path / "no_reward_model"))
+    args = report.Args(runs_dir=str(runs), models_dir=str(tmp_path / "no_models"), plots_dir=str(tmp_path / "no_plots"))
     assert report.collect(args) == []  # nothing has run yet
     write_run(runs / "hello_world_sft", [{"train/sft/loss": 2.0}, {"validation/sft/rouge/rougeL": 0.4567}],
               {"validation_table.csv": pd.DataFrame({"query": [POST, POST], "postprocessed_response": [
@@ -52,7 +52,8 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
 
     from summarize_from_feedback_details import reward
 
-    rm_dir = str(tmp_path / "rm")
+    models = tmp_path / "models"
+    rm_dir = str(models / "reward_model")
     reward.load_reward_model(tokenizer_dir, reward.load_tokenizer(tokenizer_dir), head_seed=1).save_pretrained(rm_dir)
     tokenizer.save_pretrained(rm_dir)
     good, poor = GOOD.replace("<|endoftext|>", ""), POOR.replace("<|endoftext|>", "")
@@ -63,7 +64,13 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     write_run(runs / "hello_world_ppo", [{"objective/kl": k} for k in (9.0, 1.0, 2.0, 3.0, 4.0, 5.0)],
               {"validation_table.csv": pd.DataFrame({"query": [POST, POST], "postprocessed_response": [good, good],
                                                      "reference_responses": [poor, poor]})})
-    rows = dict(report.collect(report.Args(runs_dir=str(runs), reward_model=rm_dir)))
+    (tmp_path / "plots").mkdir()
+    for name in ("win_rate.png", "win_rate.pdf", "length.png"):
+        (tmp_path / "plots" / name).touch()
+    args = report.Args(runs_dir=str(runs), models_dir=str(models), plots_dir=str(tmp_path / "plots"))
+    rows = dict(report.collect(args))
+    assert rows["models"] == f"{models}/{{reward_model}}"
+    assert rows["plots"] == f"{tmp_path / 'plots'}/*.png (2 plots, with PDF, markdown and CSV)"
     assert rows["SFT gold-judge win rate vs reference (2 prompts)"] == "0.500"
     assert rows["PPO gold-judge win rate vs reference (2 prompts)"] == "1.000"
     assert rows["PPO KL to the SFT policy (nats per response, last 5 updates)"] == "3.00"
@@ -78,3 +85,6 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     batched = report.reward_scores(model, tokenizer, [POST, POST], [poor, good])
     assert batched[1] == pytest.approx(alone, abs=1e-5) and batched[0] != pytest.approx(alone, abs=1e-3)
     assert rows["PPO mean reward-model score"] == f"{alone:.3f}"
+    # real data: no gold judge, the other rows stay
+    real = dict(report.collect(report.Args(runs_dir=str(runs), models_dir=str(models), gold_judge=False)))
+    assert not any("gold" in what for what in real) and real["PPO mean reward-model score"] == f"{alone:.3f}"

@@ -1,0 +1,126 @@
+"""hello_world.sh's wiring, with every program it starts replaced by a recorder: which stages run
+with which flags, the batch arithmetic of the memory knobs, skipping finished stages. (The real
+tiny run is `./hello_world.sh` itself; this checks the GPU path that cannot run here.)"""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+
+import pytest
+
+from summarize_from_feedback_details import ppo_left_padding, reward, sft
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# stands in for .venv/bin/python, .venv/bin/accelerate and make: records its argv and, like the
+# stages, writes <output_dir>/model.safetensors
+RECORDER = """#!/usr/bin/env python3
+import json, os, sys
+with open(os.environ["RECORD"], "a") as f:
+    f.write(json.dumps([os.path.basename(sys.argv[0])] + sys.argv[1:]) + "\\n")
+if "--output_dir" in sys.argv:
+    out = sys.argv[sys.argv.index("--output_dir") + 1]
+    os.makedirs(out, exist_ok=True)
+    open(os.path.join(out, "model.safetensors"), "w").close()
+"""
+
+
+def executable(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    shutil.copy(os.path.join(ROOT, "hello_world.sh"), tmp_path / "hello_world.sh")
+    for name in (".venv/bin/python", ".venv/bin/accelerate", "bin/make"):
+        executable(tmp_path / name, RECORDER)
+    return tmp_path
+
+
+def run(checkout, gpus, *flags, **env):
+    executable(checkout / "bin/nvidia-smi", "#!/bin/sh\n" + "".join(f"echo 'GPU {i}: H100'\n" for i in range(gpus)))
+    record = checkout / "record.jsonl"
+    record.unlink(missing_ok=True)
+    environment = {"PATH": f"{checkout / 'bin'}:/usr/bin:/bin", "RECORD": str(record), "HOME": str(checkout), **env}
+    result = subprocess.run(["bash", "hello_world.sh", *flags], cwd=checkout, env=environment, capture_output=True,
+                            text=True, timeout=60)
+    calls = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    return result, calls
+
+
+def flag(call, name):
+    return call[call.index(name) + 1]
+
+
+def stage_calls(calls, script):
+    return [c for c in calls if any(arg.endswith(script) for arg in c)]
+
+
+@pytest.mark.parametrize("gpus", [8, 1])
+def test_real_pipeline_keeps_the_paper_batch_sizes(checkout, gpus):
+    result, calls = run(checkout, gpus, MODEL="EleutherAI/pythia-1b-deduped")
+    assert result.returncode == 0, result.stderr
+    (data,) = stage_calls(calls, "tldr_dataset.py")
+    # the hub data with the paper's lengths, tokenized for the model
+    assert flag(data, "--base_model") == "EleutherAI/pythia-1b-deduped" and not any("params" in a for a in data)
+    out = "models/hello_world_pythia-1b-deduped"
+    for script, batch in (("sft.py", 128), ("reward.py", 64), ("ppo_left_padding.py", 512)):
+        (call,) = stage_calls(calls, script)
+        assert call[:6] == ["accelerate", "launch", "--config_file", "deepspeed.yaml", "--num_processes", str(gpus)]
+        assert {"--deepspeed", "--run_eval"} <= set(call) and "--lr" not in call and "--track" not in call
+        assert int(flag(call, "--local_micro_batch_size")) * int(flag(call, "--gradient_accumulation_steps")) * gpus == batch
+        assert flag(call, "--query_dataset") == "data/pythia-1b-deduped/sft"
+    # the paper's learning rate is each stage's default
+    assert sft.Args.lr == reward.Args.lr == ppo_left_padding.Args.lr == 3e-6
+    (rm,) = stage_calls(calls, "reward.py")
+    assert flag(rm, "--sft_model_path") == f"{out}/sft"
+    (ppo,) = stage_calls(calls, "ppo_left_padding.py")
+    assert (flag(ppo, "--sft_model_path"), flag(ppo, "--reward_model_path")) == (f"{out}/sft", f"{out}/reward_model")
+    assert "--offload" not in ppo and ppo_left_padding.Args.total_episodes == 1_000_000
+    (report,) = [c for c in calls if "summarize_from_feedback_details.hello_world_report" in c]
+    assert "--no_gold_judge" in report and flag(report, "--models_dir") == out
+
+
+def test_real_pipeline_knobs_and_errors(checkout):
+    result, calls = run(checkout, 2, MODEL="EleutherAI/pythia-2.8b-deduped", PPO_MICRO_BATCH="4", PPO_OFFLOAD="1",
+                        TRACK="1")
+    assert result.returncode == 0, result.stderr
+    (ppo,) = stage_calls(calls, "ppo_left_padding.py")
+    assert flag(ppo, "--gradient_accumulation_steps") == "64" and {"--offload", "--track"} <= set(ppo)
+    # a micro batch that cannot make the paper's batch is refused before anything runs
+    shutil.rmtree(checkout / "models")
+    result, calls = run(checkout, 8, MODEL="EleutherAI/pythia-2.8b-deduped", SFT_MICRO_BATCH="24")
+    assert result.returncode == 2 and "batch 128 is not a multiple of micro batch 24 x 8 GPUs" in result.stderr
+    assert not stage_calls(calls, ".py")
+    result, _ = run(checkout, 0, MODEL="EleutherAI/pythia-1b-deduped")
+    assert result.returncode == 2 and "needs GPUs" in result.stderr
+
+
+def test_finished_stages_are_skipped_and_force_reruns(checkout):
+    result, first = run(checkout, 0)
+    assert result.returncode == 0, result.stderr
+    # the embedded default: one process, no accelerate; the RM on the all-token SFT, PPO on the other
+    assert not [c for c in first if c[0] == "accelerate"]
+    (rm,) = stage_calls(first, "reward.py")
+    assert flag(rm, "--sft_model_path") == "models/hello_world/sft_all_tokens"
+    (ppo,) = stage_calls(first, "ppo_left_padding.py")
+    assert flag(ppo, "--sft_model_path") == "models/hello_world/sft" and flag(ppo, "--total_episodes") == str(30 * 64)
+    assert len(stage_calls(first, "sft.py")) == 2
+    result, second = run(checkout, 0)
+    assert result.returncode == 0 and result.stdout.count("exists, skipping") == 7
+    assert not stage_calls(second, "sft.py") and not stage_calls(second, "ppo_left_padding.py")
+    _, forced = run(checkout, 0, "--force")
+    assert len(stage_calls(forced, "sft.py")) == 2 and len(stage_calls(forced, "ppo_left_padding.py")) == 1
+
+
+def test_data_only(checkout):
+    result, calls = run(checkout, 0, "--data")
+    assert result.returncode == 0, result.stderr
+    assert [c[2] if c[1] == "-m" else c[1] for c in calls[1:]] == [
+        "summarize_from_feedback_details.synthetic_tldr", "summarize_from_feedback_details.tiny_models",
+        "summarize_from_feedback_details/tldr_dataset.py"]
+    result, _ = run(checkout, 8, "--data", MODEL="EleutherAI/pythia-1b-deduped")
+    assert result.returncode == 2 and "leave MODEL unset" in result.stderr
