@@ -588,7 +588,8 @@ def describe_frozen(model) -> str:
 
 
 class Logger:
-    """TensorBoard + metrics.jsonl (+ wandb via TensorBoard sync) on the main process only."""
+    """TensorBoard + metrics.jsonl (+ wandb: scalars via TensorBoard sync, and the eval tables) on the
+    main process only."""
 
     def __init__(self, args: Args, accelerator: Accelerator):
         self.main = accelerator.is_main_process
@@ -619,6 +620,8 @@ class Logger:
     def table(self, name: str, frame: pd.DataFrame) -> None:
         if self.main:
             frame.to_csv(os.path.join(self.folder, f"{name}.csv"), index=False)
+            if "wandb" in sys.modules:  # eval/rlhf_scaling_plot.py judges this table from wandb
+                sys.modules["wandb"].log({name: sys.modules["wandb"].Table(dataframe=frame)})
 
     def close(self) -> None:
         if self.main:

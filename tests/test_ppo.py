@@ -1,3 +1,4 @@
+import glob
 import inspect
 import json
 import math
@@ -477,7 +478,14 @@ def test_smoke_one_update_of_the_tiny_default(tiny_datasets, checkpoints, tmp_pa
         assert final[f"eval/{split}/reference_scores"] == pytest.approx(table["reference_scores"].mean(), abs=1e-5)
     samples = pd.read_csv(os.path.join(workdir, "runs", "smoke", "samples_1.csv"))
     assert len(samples) == 16
-    assert os.path.isdir(os.path.join(workdir, "wandb"))  # --track wrote an offline wandb run
+    # --track wrote one offline wandb run, with the eval tables that eval/rlhf_scaling_plot.py judges
+    (table_file,) = glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "files", "media", "table",
+                                           "validation_table_*.table.json"))
+    with open(table_file) as f:
+        logged = json.load(f)
+    table = pd.read_csv(os.path.join(workdir, "runs", "smoke", "validation_table.csv"), keep_default_na=False)
+    assert logged["columns"] == list(table.columns) and len(logged["data"]) == len(table)
+    assert [row[1] for row in logged["data"]] == table["postprocessed_response"].tolist()
 
     # only the policy is saved, as a plain causal LM that loads offline and generates until EOS
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -1,0 +1,280 @@
+"""Win rate of SFT and PPO summaries against the reference summaries, by model size and by length.
+
+    python eval/rlhf_scaling_plot.py --run_glob 'hello_world_*' --judge gold      # embedded default
+    python eval/rlhf_scaling_plot.py --judge chat --chat.model gpt-3.5-turbo-0125 \\
+        --wandb_project tldr_summarize --wandb_entity <entity>               # paper runs, LLM judge
+
+Reads each run's eval table (`validation_table` by default: columns query, postprocessed_response,
+reference_responses, optionally scores and reference_scores) from its local run folder
+(`runs/<run_name>/<table>.csv`) or, with --wandb_project, from the wandb table logged under that
+key. Runs are grouped by (exp_name, base_model, seed), the newest run of a key is kept. A judge
+compares every response with its reference (see eval/judges.py): `gold`, the synthetic task's exact
+judge, or `chat`, an LLM behind an OpenAI-compatible API (cached, so a rerun costs nothing).
+
+Writes to --out:
+- rlhf_scale_plot.{png,pdf,csv,md}: win rate vs model size, each seed and the mean +- std (ddof=1);
+- rlhf_scale_plot_runs.{csv,md}: per run counts (wins, ties, losses, unparsed), win rate, mean length;
+- rlhf_scale_plot_token_length.{png,pdf,csv,md}: each run's win rate vs its mean response length,
+  and the win rate in response-length bins (all sizes and seeds of a policy pooled);
+- judged/<run_name>.csv: every row with its verdict (and the chat judge's reply).
+"""
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import tyro
+
+from common import (console, finish_scaling_axes, format_size, local_runs, model_sizes, newest_per_key, parse_size_overrides,
+                    plot_over_sizes, save_figure, seed_summary, shifts, wandb_runs, write_table)
+from judges import EOS_TEXT, PAD_TEXT, ChatJudge, ChatJudgeConfig, gold_verdicts, win_counts
+
+
+@dataclass
+class Args:
+    runs_dir: str = "runs"
+    """local run folders (runs/<run_name>/ with args.json and the eval tables)"""
+    wandb_project: Optional[str] = None
+    """read the runs from this wandb project instead of --runs_dir"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (user or team) of --wandb_project; default your default entity"""
+    wandb_tags: list[str] = field(default_factory=list)
+    """only wandb runs with one of these tags (all when empty)"""
+    run_glob: Optional[str] = None
+    """only runs whose name matches this shell pattern, e.g. 'hello_world_*'"""
+    sft_exp_name: str = "sft"
+    """exp_name of the SFT runs"""
+    ppo_exp_name: str = "ppo_left_padding"
+    """exp_name of the PPO runs"""
+    table: str = "validation_table"
+    """eval table to judge: `<table>.csv` in a run folder, the table logged under this key on wandb"""
+    num_rows: Optional[int] = None
+    """judge only the first N rows of each table (all when unset)"""
+    judge: Literal["gold", "chat"] = "gold"
+    """gold: the synthetic task's exact judge; chat: an LLM judge (--chat.* flags)"""
+    chat: ChatJudgeConfig = field(default_factory=ChatJudgeConfig)
+    tokenizer: Optional[str] = None
+    """tokenizer that measures response lengths; default each run's output_dir, else its base_model"""
+    length_bins: int = 6
+    """equal-width response-length bins of the length plot"""
+    model_size: list[str] = field(default_factory=list)
+    """BASE_MODEL=PARAMETERS overrides of the x axis, e.g. EleutherAI/pythia-1b-deduped=1e9"""
+    out: str = "eval/images"
+    """folder for the plots (PNG, PDF) and their tables (CSV, markdown)"""
+
+
+POLICY_COLORS = {"SFT": "tab:blue", "PPO": "tab:orange"}
+TABLE_COLUMNS = ("query", "postprocessed_response", "reference_responses")
+
+
+def load_table(run, name: str, download_dir: str) -> Optional[pd.DataFrame]:
+    """The run's eval table, or None if it has none (a run without --run_eval, or still running)."""
+    if run.folder is not None:
+        path = os.path.join(run.folder, f"{name}.csv")
+        if not os.path.isfile(path):
+            return None
+        table, where = pd.read_csv(path, keep_default_na=False), path  # an empty response stays ""
+    else:
+        # wandb.log({name: wandb.Table(...)}) leaves a reference to the table's JSON file in the summary
+        ref = run.wandb_run.summary_metrics.get(name)
+        if not isinstance(ref, dict) or ref.get("_type") != "table-file":
+            return None
+        run.wandb_run.file(ref["path"]).download(root=download_dir, replace=True)
+        with open(os.path.join(download_dir, ref["path"])) as f:
+            data = json.load(f)
+        table, where = pd.DataFrame(data["data"], columns=data["columns"]).fillna(""), f"wandb run {run.name}"
+    missing = [c for c in TABLE_COLUMNS if c not in table.columns]
+    if missing:
+        raise ValueError(f"{where}: the eval table has no column {', '.join(missing)} (columns: {list(table.columns)})")
+    return table
+
+
+def response_lengths(responses: list, tokenizer) -> list:
+    """Tokens of each response up to its EOS (EOS not counted), as the policy generated them."""
+    texts = [r.split(EOS_TEXT)[0].replace(PAD_TEXT, "") for r in responses]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def run_tokenizer(run, override: Optional[str], loaded: dict):
+    """The tokenizer of the run's model (its output_dir when it is here, else its base model)."""
+    from transformers import AutoTokenizer
+
+    path = override
+    if path is None:
+        output_dir = run.config.get("output_dir") or ""
+        path = output_dir if os.path.isfile(os.path.join(output_dir, "tokenizer_config.json")) else run.config["base_model"]
+    if path not in loaded:
+        loaded[path] = AutoTokenizer.from_pretrained(path)
+    return loaded[path]
+
+
+def per_run_table(judged: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: verdict counts, win rate (ties half, unparsed left out), mean length."""
+    rows = []
+    for (policy, base_model, model_size, seed, run_name), frame in judged.groupby(
+            ["policy", "base_model", "model_size", "seed", "run_name"], sort=False):
+        counts = win_counts(list(frame["verdict"]))
+        rows.append({"policy": policy, "base_model": base_model, "model_size": model_size, "seed": seed,
+                     "run_name": run_name, "rows": len(frame), "wins": counts["policy"], "ties": counts["tie"],
+                     "losses": counts["reference"], "unparsed": counts["unparsed"], "win_rate": counts["win_rate"],
+                     "mean_length": frame["length"].mean()})
+    return pd.DataFrame(rows)
+
+
+def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple:
+    """95% Wilson score interval of a rate p over n rows: unlike p +- standard error it does not
+    shrink to nothing at p = 0 or 1, so a bin of 2 rows looks as uncertain as it is."""
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return min(p, center - half), max(p, center + half)  # float noise must not put p outside
+
+
+def length_bin_table(judged: pd.DataFrame, n_bins: int) -> pd.DataFrame:
+    """Win rate per policy in `n_bins` equal-width bins of response length, with its 95% Wilson
+    interval; the bins span all policies' lengths (unparsed rows left out), the last bin includes
+    its upper edge, and empty bins are not listed."""
+    judged = judged[judged["verdict"] != "unparsed"]
+    edges = np.linspace(judged["length"].min(), judged["length"].max(), n_bins + 1)
+    index = np.clip(np.searchsorted(edges, judged["length"], side="right") - 1, 0, n_bins - 1)
+    rows = []
+    for (policy, b), frame in judged.groupby([judged["policy"], index], sort=False):
+        counts = win_counts(list(frame["verdict"]))
+        low, high = wilson_interval(counts["win_rate"], len(frame))
+        rows.append({"policy": policy, "bin": int(b), "length_low": edges[b], "length_high": edges[b + 1],
+                     "rows": len(frame), "wins": counts["policy"], "ties": counts["tie"], "losses": counts["reference"],
+                     "win_rate": counts["win_rate"], "ci_low": low, "ci_high": high})
+    return by_policy(pd.DataFrame(rows), "bin")
+
+
+def by_policy(frame: pd.DataFrame, then: str) -> pd.DataFrame:
+    """Rows in plot order: SFT before PPO, then by `then`."""
+    order = frame["policy"].map(list(POLICY_COLORS).index)
+    return frame.assign(_order=order).sort_values(["_order", then]).drop(columns="_order").reset_index(drop=True)
+
+
+def reference_line(ax) -> None:
+    ax.axhline(0.5, color="gray", linestyle="--", linewidth=1, label="reference summary")
+
+
+def main(args: Args) -> None:
+    if args.sft_exp_name == args.ppo_exp_name:
+        raise ValueError("--sft_exp_name and --ppo_exp_name must differ")
+    if args.length_bins < 1:
+        raise ValueError("--length_bins must be at least 1")
+    policies = {args.sft_exp_name: "SFT", args.ppo_exp_name: "PPO"}
+    judge = ChatJudge(args.chat) if args.judge == "chat" else None  # fails now on a missing model or key
+    judge_name = "gold judge" if judge is None else f"{args.chat.model} judge"
+
+    # 1. the runs and their eval tables
+    if args.wandb_project:
+        runs = wandb_runs(args.wandb_project, args.wandb_entity, list(policies), args.wandb_tags, args.run_glob)
+    else:
+        runs = local_runs(args.runs_dir, list(policies), args.run_glob)
+    runs = newest_per_key(runs)
+    tables = {}
+    with tempfile.TemporaryDirectory() as download_dir:
+        for run in runs:
+            table = load_table(run, args.table, download_dir)
+            if table is None:
+                console.print(f"[yellow]warning:[/yellow] run {run.name} has no {args.table} table; left out")
+            else:
+                tables[run.name] = table.head(args.num_rows) if args.num_rows else table
+    runs = [run for run in runs if run.name in tables]
+    if not runs:
+        where = f"wandb project {args.wandb_project}" if args.wandb_project else args.runs_dir
+        raise SystemExit(f"no {' or '.join(policies)} run with a {args.table} table in {where}"
+                         + (f" matching {args.run_glob!r}" if args.run_glob else ""))
+    sizes = model_sizes(runs, parse_size_overrides(args.model_size))
+
+    # 2. every row of every table, judged in one go (one progress bar, one concurrency bound)
+    frames, tokenizers = [], {}
+    for run in runs:
+        table = tables[run.name]
+        frames.append(pd.DataFrame({
+            "policy": policies[run.config["exp_name"]], "base_model": run.config["base_model"],
+            "model_size": sizes[run.config["base_model"]], "seed": run.config["seed"], "run_name": run.name,
+            "query": table["query"].astype(str), "response": table["postprocessed_response"].astype(str),
+            "reference": table["reference_responses"].astype(str),
+            "length": response_lengths(list(table["postprocessed_response"].astype(str)),
+                                       run_tokenizer(run, args.tokenizer, tokenizers)),
+        }))
+    judged = pd.concat(frames, ignore_index=True)
+    rows = list(zip(judged["query"], judged["response"], judged["reference"]))
+    if judge is None:
+        judged["verdict"] = gold_verdicts(rows)
+    else:
+        results = pd.DataFrame(judge.judge(rows))
+        for column in ("verdict", "policy_slot", "preferred", "reply"):
+            judged[column] = results[column].to_numpy()
+    os.makedirs(os.path.join(args.out, "judged"), exist_ok=True)
+    for run_name, frame in judged.groupby("run_name"):
+        frame.to_csv(os.path.join(args.out, "judged", f"{run_name}.csv"), index=False)
+
+    # 3. win rate vs model size
+    per_run = per_run_table(judged)
+    write_table(per_run, args.out, "rlhf_scale_plot_runs")
+    unjudged = per_run[per_run["win_rate"].isna()]
+    if len(unjudged):
+        console.print(f"[yellow]warning:[/yellow] no parsed verdict in {', '.join(unjudged['run_name'])}; left out of the plots")
+    per_seed = per_run.dropna(subset=["win_rate"]).rename(columns={"win_rate": "value"})
+    if per_seed.empty:
+        raise SystemExit(f"not one parsed verdict: see the judge's replies in {os.path.join(args.out, 'judged')}")
+    summary = seed_summary(per_seed, ["policy", "base_model", "model_size"])
+    totals = per_run.groupby(["policy", "base_model"])[["rows", "unparsed"]].sum().reset_index()
+    summary = summary.merge(totals, on=["policy", "base_model"], how="left")
+    summary = by_policy(summary, "model_size")
+    write_table(summary, args.out, "rlhf_scale_plot")
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    plotted = [policy for policy in POLICY_COLORS if policy in set(summary["policy"])]
+    for policy, shift in zip(plotted, shifts(len(plotted))):
+        plot_over_sizes(ax, per_seed[per_seed["policy"] == policy], summary[summary["policy"] == policy],
+                        policy, POLICY_COLORS[policy], shift)
+    reference_line(ax)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("win rate against reference summaries")
+    ax.set_title(f"TL;DR {args.table.removesuffix('_table')}, {judge_name}")
+    finish_scaling_axes(ax, per_seed["model_size"], per_seed["value"])
+    save_figure(fig, args.out, "rlhf_scale_plot")
+
+    # 4. win rate vs response length
+    bins = length_bin_table(judged, args.length_bins)
+    write_table(bins, args.out, "rlhf_scale_plot_token_length")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    size_markers = dict(zip(sorted(set(per_seed["model_size"])), "os^Dvp*hX"))
+    for policy, color in POLICY_COLORS.items():
+        runs_of = per_seed[per_seed["policy"] == policy]
+        for size, marker in size_markers.items():
+            runs_at = runs_of[runs_of["model_size"] == size]
+            left.scatter(runs_at["mean_length"], runs_at["value"], color=color, marker=marker, alpha=0.8)
+        if len(runs_of):
+            left.scatter([], [], color=color, marker="s", label=policy)
+        bins_of = bins[bins["policy"] == policy]
+        if len(bins_of):
+            centers = (bins_of["length_low"] + bins_of["length_high"]) / 2
+            yerr = [bins_of["win_rate"] - bins_of["ci_low"], bins_of["ci_high"] - bins_of["win_rate"]]
+            right.errorbar(centers, bins_of["win_rate"], yerr=yerr, color=color, marker="o", capsize=3,
+                           label=f"{policy} (95% interval)")
+    for size, marker in size_markers.items():
+        left.scatter([], [], color="gray", marker=marker, label=format_size(size))
+    for ax in (left, right):
+        reference_line(ax)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    left.set_xlabel("mean response length of the run (tokens)")
+    left.set_ylabel("win rate against reference summaries")
+    left.set_title("per run (colour: policy, marker: model size)")
+    right.set_xlabel(f"response length (tokens, {args.length_bins} equal bins)")
+    right.set_title("per response, all sizes and seeds pooled")
+    fig.suptitle(f"TL;DR {args.table.removesuffix('_table')}, {judge_name}")
+    save_figure(fig, args.out, "rlhf_scale_plot_token_length")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,178 @@
+"""eval/rlhf_scaling_plot.py with the gold judge, on fake run folders (and fake wandb runs) whose eval
+tables have known verdicts and known response lengths."""
+
+import json
+import os
+import sys
+
+import pandas as pd
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval"))
+import judges
+import rlhf_scaling_plot as rlhf
+
+from summarize_from_feedback_details.synthetic_tldr import gold_score
+
+PYTHIA_1B, PYTHIA_2B8 = "EleutherAI/pythia-1b-deduped", "EleutherAI/pythia-2.8b-deduped"
+POST = ("[PAD][PAD]SUBREDDIT: r/roommates\n\nTITLE: help\n\nPOST: I (25F) have lived with my roommate (27M) for 3 years."
+        "\n\nLately they has not paid rent in months. I am so angry right now.\n\nShould I just move out?\n\nTL;DR:")
+# gold scores GOOD > MID > POOR; lengths 16, 10 and 3 words (the test tokenizer counts words)
+GOOD = " my roommate of 3 years has not paid rent, I feel angry. should I move out?"
+MID = " my roommate has not paid rent. should I move out?"
+POOR = " roommate owes rent."
+LENGTH = {GOOD: 16, MID: 10, POOR: 3}
+
+# (response, reference) rows of each run; the comment gives the gold verdicts and the win rate
+TABLES = {
+    ("sft", PYTHIA_1B, 1): [(MID, GOOD), (MID, POOR), (POOR, GOOD), (MID, MID)],  # L W L T: 1.5/4
+    ("sft", PYTHIA_1B, 2): [(MID, GOOD), (MID, POOR), (MID, POOR), (POOR, MID)],  # L W W L: 2/4
+    ("ppo_left_padding", PYTHIA_1B, 1): [(GOOD, MID), (GOOD, POOR), (GOOD, GOOD), (POOR, MID)],  # W W T L: 2.5/4
+    ("ppo_left_padding", PYTHIA_1B, 2): [(GOOD, MID), (GOOD, MID), (GOOD, MID), (MID, GOOD)],  # W W W L: 3/4
+    ("ppo_left_padding", PYTHIA_2B8, 1): [(GOOD, MID)] * 4,  # 4/4
+}
+
+
+def word_tokenizer(folder):
+    """A tokenizer with one token per whitespace-separated word."""
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+    return str(folder)
+
+
+def table_frame(rows, eos_padded=False):
+    # a table decoded with special tokens keeps EOS and pads: the judge and the lengths ignore them
+    tail = "<|endoftext|>[PAD][PAD]" if eos_padded else ""
+    return pd.DataFrame({"query": [POST] * len(rows), "postprocessed_response": [r + tail for r, _ in rows],
+                         "reference_responses": [ref for _, ref in rows], "scores": 0.0, "reference_scores": 0.0})
+
+
+def write_runs(runs_dir, output_dir):
+    for (exp_name, base_model, seed), rows in TABLES.items():
+        name = f"{exp_name}__{seed}__{100 + len(base_model)}"
+        folder = os.path.join(runs_dir, name)
+        os.makedirs(folder)
+        with open(os.path.join(folder, "args.json"), "w") as f:
+            json.dump({"exp_name": exp_name, "base_model": base_model, "seed": seed, "output_dir": output_dir}, f)
+        table_frame(rows, eos_padded=seed == 2).to_csv(os.path.join(folder, "validation_table.csv"), index=False)
+    os.makedirs(os.path.join(runs_dir, "ppo_left_padding__3__999"))  # crashed before its eval: warned, left out
+    with open(os.path.join(runs_dir, "ppo_left_padding__3__999", "args.json"), "w") as f:
+        json.dump({"exp_name": "ppo_left_padding", "base_model": PYTHIA_1B, "seed": 3}, f)
+
+
+def read(out, name):
+    return pd.read_csv(os.path.join(out, f"{name}.csv"), dtype={"seeds": str, "values": str})
+
+
+def check_outputs(out):
+    runs = read(out, "rlhf_scale_plot_runs").set_index(["policy", "base_model", "seed"])
+    sft1 = runs.loc[("SFT", PYTHIA_1B, 1)]
+    assert (sft1["rows"], sft1["wins"], sft1["ties"], sft1["losses"], sft1["unparsed"]) == (4, 1, 1, 2, 0)
+    assert sft1["win_rate"] == pytest.approx(0.375)  # ties count half
+    assert sft1["mean_length"] == pytest.approx((10 + 10 + 3 + 10) / 4)
+    assert runs.loc[("SFT", PYTHIA_1B, 2), "mean_length"] == pytest.approx((10 + 10 + 10 + 3) / 4)  # EOS, pads cut
+    assert runs.loc[("PPO", PYTHIA_1B, 1), "win_rate"] == pytest.approx(0.625)
+    assert runs.loc[("PPO", PYTHIA_2B8, 1), "win_rate"] == pytest.approx(1.0)
+
+    summary = read(out, "rlhf_scale_plot").set_index(["policy", "base_model"])
+    assert list(summary.index) == [("SFT", PYTHIA_1B), ("PPO", PYTHIA_1B), ("PPO", PYTHIA_2B8)]  # plot order
+    assert summary.loc[("SFT", PYTHIA_1B), "values"] == "0.375 0.5"
+    assert summary.loc[("SFT", PYTHIA_1B), "mean"] == pytest.approx(0.4375)
+    assert summary.loc[("SFT", PYTHIA_1B), "std"] == pytest.approx(0.125 / 2 ** 0.5)  # ddof=1
+    assert summary.loc[("PPO", PYTHIA_1B), "mean"] == pytest.approx(0.6875)
+    assert summary.loc[("PPO", PYTHIA_2B8), "model_size"] == 2_800_000_000
+    assert pd.isna(summary.loc[("PPO", PYTHIA_2B8), "std"])
+    assert summary.loc[("PPO", PYTHIA_1B), "rows"] == 8 and summary.loc[("PPO", PYTHIA_1B), "unparsed"] == 0
+
+    # two equal-width bins over lengths 3..16: [3, 9.5) holds the POOR responses, [9.5, 16] the rest
+    bins = read(out, "rlhf_scale_plot_token_length").set_index(["policy", "bin"])
+    assert bins.loc[("SFT", 0), ["length_low", "length_high"]].tolist() == [3.0, 9.5]
+    assert bins.loc[("SFT", 0), ["rows", "wins", "ties", "losses", "win_rate"]].tolist() == [2, 0, 0, 2, 0.0]
+    assert bins.loc[("SFT", 1), ["rows", "wins", "ties", "losses"]].tolist() == [6, 3, 1, 2]
+    assert bins.loc[("SFT", 1), "win_rate"] == pytest.approx(3.5 / 6)
+    assert bins.loc[("PPO", 1), ["rows", "wins", "ties", "losses"]].tolist() == [11, 9, 1, 1]
+    assert bins.loc[("PPO", 1), "win_rate"] == pytest.approx(9.5 / 11)
+    # 95% Wilson interval of 0 wins in 2 rows: [0, z^2/2 / (1 + z^2/2)]
+    assert bins.loc[("SFT", 0), "ci_low"] == pytest.approx(0.0, abs=1e-12)
+    assert bins.loc[("SFT", 0), "ci_high"] == pytest.approx(1.96 ** 2 / 2 / (1 + 1.96 ** 2 / 2))
+
+    judged = pd.read_csv(os.path.join(out, "judged", "sft__1__128.csv"), keep_default_na=False)
+    assert judged["verdict"].tolist() == ["reference", "policy", "reference", "tie"]
+    for name in ("rlhf_scale_plot", "rlhf_scale_plot_token_length"):
+        for ext in ("png", "pdf", "md"):
+            assert os.path.getsize(os.path.join(out, f"{name}.{ext}")) > 0
+
+
+def test_gold_fixture_is_what_the_comments_say():
+    assert gold_score(POST, GOOD) > gold_score(POST, MID) > gold_score(POST, POOR)
+    assert judges.gold_verdicts([(POST, MID, GOOD), (POST, GOOD + "<|endoftext|>[PAD]", MID), (POST, MID, MID)]) == \
+        ["reference", "policy", "tie"]
+    assert judges.win_counts(["policy", "tie", "reference", "unparsed"])["win_rate"] == pytest.approx(0.5)
+
+
+def test_gold_judge_tables(tmp_path, capsys):
+    runs_dir, out = str(tmp_path / "runs"), str(tmp_path / "out")
+    tokenizer = word_tokenizer(tmp_path / "tokenizer")
+    write_runs(runs_dir, output_dir=tokenizer)  # the runs' output_dir holds their tokenizer
+    rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, length_bins=2))
+    assert "ppo_left_padding__3__999 has no validation_table table" in capsys.readouterr().err
+    check_outputs(out)
+
+    # --num_rows judges the head of each table; --tokenizer overrides the runs' own
+    rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, num_rows=1, tokenizer=tokenizer, run_glob="sft__*"))
+    assert read(out, "rlhf_scale_plot_runs")["rows"].tolist() == [1, 1]
+
+
+def test_missing_column_is_an_error(tmp_path):
+    runs_dir = tmp_path / "runs"
+    write_runs(str(runs_dir), output_dir=word_tokenizer(tmp_path / "tokenizer"))
+    table = runs_dir / "sft__1__128" / "validation_table.csv"
+    pd.read_csv(table).drop(columns=["reference_responses"]).to_csv(table, index=False)
+    with pytest.raises(ValueError, match="validation_table.csv: the eval table has no column reference_responses"):
+        rlhf.main(rlhf.Args(runs_dir=str(runs_dir), out=str(tmp_path / "out")))
+
+
+class FakeFile:
+    def __init__(self, path, content):
+        self.path, self.content = path, content
+
+    def download(self, root=".", replace=False):
+        target = os.path.join(root, self.path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w") as f:
+            json.dump(self.content, f)
+
+
+class FakeWandbRun:
+    """A finished run as wandb.Api() returns it: the table logged with wandb.log({"validation_table":
+    wandb.Table(dataframe=...)}) is a table-file reference in the summary and a file of the run."""
+
+    def __init__(self, exp_name, base_model, seed, rows):
+        self.name = self.id = f"{exp_name}_{len(base_model)}_{seed}"
+        self.config = {"exp_name": exp_name, "base_model": base_model, "seed": seed, "output_dir": "/not/here"}
+        self.created_at = "2024-05-01T12:00:00Z"
+        frame = table_frame(rows)
+        path = f"media/table/validation_table_30_{self.id}.table.json"
+        self.summary_metrics = {"objective/kl": 1.0, "validation_table": {"_type": "table-file", "path": path}}
+        self._file = FakeFile(path, {"columns": list(frame.columns), "data": frame.values.tolist()})
+
+    def file(self, path):
+        assert path == self._file.path
+        return self._file
+
+
+def test_wandb_tables(tmp_path, monkeypatch):
+    import wandb
+
+    runs = [FakeWandbRun(*key, rows) for key, rows in TABLES.items()]
+    monkeypatch.setattr(wandb, "Api", lambda: type("Api", (), {"runs": lambda self, path, filters: runs})())
+    out = str(tmp_path / "out")
+    rlhf.main(rlhf.Args(wandb_project="tldr_summarize", out=out, length_bins=2,
+                        tokenizer=word_tokenizer(tmp_path / "tokenizer")))
+    summary = read(out, "rlhf_scale_plot").set_index(["policy", "base_model"])
+    assert summary.loc[("SFT", PYTHIA_1B), "values"] == "0.375 0.5"
+    assert summary.loc[("PPO", PYTHIA_1B), "values"] == "0.625 0.75"
+    assert summary.loc[("PPO", PYTHIA_2B8), "values"] == "1"

@@ -1,0 +1,179 @@
+"""eval/sft_rm_scale.py and the run handling of eval/common.py, on fake run folders with known metrics."""
+
+import json
+import os
+import sys
+
+import pandas as pd
+import pytest
+from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval"))
+import common
+import sft_rm_scale
+
+PYTHIA_1B, PYTHIA_2B8 = "EleutherAI/pythia-1b-deduped", "EleutherAI/pythia-2.8b-deduped"
+
+
+def write_run(runs_dir, name, exp_name, base_model, seed, metric_lines, output_dir="no/such/dir", mtime=None):
+    folder = os.path.join(runs_dir, name)
+    os.makedirs(folder)
+    with open(os.path.join(folder, "args.json"), "w") as f:
+        json.dump({"exp_name": exp_name, "base_model": base_model, "seed": seed, "run_name": name,
+                   "output_dir": output_dir}, f)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for step, metrics in enumerate(metric_lines):
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+    if mtime is not None:
+        os.utime(os.path.join(folder, "args.json"), (mtime, mtime))
+
+
+def rm_metrics(validation, cnndm, by_confidence):
+    metrics = {"eval/rm/validation/accuracy": validation, "eval/rm/validation_cnndm/accuracy": cnndm,
+               "eval/rm/validation/accuracy/confidence/None": 0.123}  # pairs without a confidence: not plotted
+    metrics.update({f"eval/rm/validation/accuracy/confidence/{c}": v for c, v in by_confidence.items()})
+    return metrics
+
+
+def fake_runs(runs_dir):
+    rouge = "validation/sft/rouge/rougeL"
+    # 1B: three seeds, the first logged twice (the last value counts); an older duplicate of seed 1
+    write_run(runs_dir, "sft__1__200", "sft", PYTHIA_1B, 1, [{rouge: 0.5}, {"train/sft/loss": 1.0}, {rouge: 0.20}])
+    write_run(runs_dir, "sft__1__100", "sft", PYTHIA_1B, 1, [{rouge: 0.90}])
+    write_run(runs_dir, "sft__2__300", "sft", PYTHIA_1B, 2, [{rouge: 0.22}])
+    write_run(runs_dir, "sft__3__300", "sft", PYTHIA_1B, 3, [{rouge: 0.24}])
+    write_run(runs_dir, "sft__1__400", "sft", PYTHIA_2B8, 1, [{rouge: 0.30}])  # one seed: no std
+    write_run(runs_dir, "sft_no_eval", "sft", PYTHIA_2B8, 2, [{"train/sft/loss": 1.0}])  # left out, warned
+    write_run(runs_dir, "dpo__1__300", "dpo", PYTHIA_1B, 1, [{rouge: 0.99}])  # another experiment
+    write_run(runs_dir, "reward__1__300", "reward", PYTHIA_1B, 1, [rm_metrics(0.60, 0.55, {1: 0.50, 9: 0.80})])
+    write_run(runs_dir, "reward__2__300", "reward", PYTHIA_1B, 2, [rm_metrics(0.70, 0.65, {1: 0.60, 9: 1.00})])
+    write_run(runs_dir, "reward__1__500", "reward", PYTHIA_2B8, 1, [rm_metrics(0.75, 0.72, {1: 0.55, 9: 0.90})])
+    os.makedirs(os.path.join(runs_dir, "not_a_run"))  # no args.json: skipped
+
+
+def read(out, name):
+    return pd.read_csv(os.path.join(out, f"{name}.csv"), dtype={"seeds": str, "values": str})
+
+
+def test_sft_rm_scale_tables(tmp_path, capsys):
+    runs_dir, out = str(tmp_path / "runs"), str(tmp_path / "out")
+    fake_runs(runs_dir)
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out))
+    err = capsys.readouterr().err
+    assert "keeping the newest, sft__1__200" in err and "ignoring sft__1__100" in err
+    assert "sft_no_eval has no validation/sft/rouge/rougeL" in err
+
+    rouge = read(out, "rouge_score_plot").set_index("base_model")
+    assert list(rouge.index) == [PYTHIA_1B, PYTHIA_2B8]
+    assert rouge.loc[PYTHIA_1B, "model_size"] == 1_000_000_000  # from the hub name (no output_dir here)
+    assert rouge.loc[PYTHIA_2B8, "model_size"] == 2_800_000_000
+    assert rouge.loc[PYTHIA_1B, "seeds"] == "1 2 3" and rouge.loc[PYTHIA_1B, "values"] == "0.2 0.22 0.24"
+    assert rouge.loc[PYTHIA_1B, "mean"] == pytest.approx(0.22)
+    assert rouge.loc[PYTHIA_1B, "std"] == pytest.approx(0.02)  # sample std, ddof=1
+    assert rouge.loc[PYTHIA_2B8, "n_seeds"] == 1 and pd.isna(rouge.loc[PYTHIA_2B8, "std"])  # undefined for one seed
+    assert "| EleutherAI/pythia-1b-deduped | 1000000000 | 3 | 1 2 3 | 0.2 0.22 0.24 | 0.2200 | 0.0200 |" in \
+        open(os.path.join(out, "rouge_score_plot.md")).read()
+
+    rm = read(out, "rm_scale_plot").set_index(["split", "base_model"])
+    assert rm.loc[("validation", PYTHIA_1B), "mean"] == pytest.approx(0.65)
+    assert rm.loc[("validation", PYTHIA_1B), "std"] == pytest.approx(0.0707107, abs=1e-6)
+    assert rm.loc[("validation_cnndm", PYTHIA_1B), "mean"] == pytest.approx(0.60)
+    assert rm.loc[("validation_cnndm", PYTHIA_2B8), "values"] == "0.72"
+
+    conf = read(out, "rm_scale_plot_confidence")
+    assert set(conf["confidence"]) == {1, 9}  # "None" has no place on the axis
+    row = conf[(conf["base_model"] == PYTHIA_1B) & (conf["confidence"] == 9)].iloc[0]
+    assert (row["split"], row["mean"], row["std"]) == ("validation", pytest.approx(0.9), pytest.approx(0.1414214, abs=1e-6))
+    for name in ("rouge_score_plot", "rm_scale_plot", "rm_scale_plot_confidence"):
+        for ext in ("png", "pdf", "md"):
+            assert os.path.getsize(os.path.join(out, f"{name}.{ext}")) > 0
+
+
+def test_run_glob_and_exp_names(tmp_path):
+    runs_dir, out = str(tmp_path / "runs"), str(tmp_path / "out")
+    fake_runs(runs_dir)
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, run_glob="*__3__*", sft_exp_name="sft"))
+    assert read(out, "rouge_score_plot")["values"].tolist() == ["0.24"]
+    assert not os.path.exists(os.path.join(out, "rm_scale_plot.csv"))  # no reward run matches the glob
+    with pytest.raises(SystemExit, match="no sft or reward run"):
+        sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, run_glob="nothing*"))
+    with pytest.raises(FileNotFoundError, match="no run folder"):
+        sft_rm_scale.main(sft_rm_scale.Args(runs_dir=str(tmp_path / "missing"), out=out))
+
+
+def test_newest_run_without_time_in_name(tmp_path):
+    """Hand-named runs (hello_world_sft) are ordered by when their args.json was written."""
+    runs_dir = str(tmp_path / "runs")
+    write_run(runs_dir, "hello_world_sft", "sft", PYTHIA_1B, 1, [], mtime=2_000)
+    write_run(runs_dir, "hello_world_sft_all_tokens", "sft", PYTHIA_1B, 1, [], mtime=1_000)
+    kept = common.newest_per_key(common.local_runs(runs_dir, ["sft"]))
+    assert [r.name for r in kept] == ["hello_world_sft"]
+
+
+def test_model_sizes(tmp_path):
+    assert common.size_from_name("EleutherAI/pythia-1b-deduped") == 1e9
+    assert common.size_from_name("EleutherAI/pythia-410m-deduped") == pytest.approx(4.1e8)
+    assert common.size_from_name("EleutherAI/pythia-6.9b") == pytest.approx(6.9e9)
+    assert common.size_from_name("Qwen/Qwen2.5-0.5B-Instruct") == pytest.approx(5e8)
+    assert common.size_from_name("models/tiny/pythia-tiny-m") is None
+    assert common.parse_size_overrides(["a/b=1e9", "c=410m", "x=y=2b"]) == {"a/b": 1e9, "c": 4.1e8, "x=y": 2e9}
+    with pytest.raises(ValueError, match="BASE_MODEL=PARAMETERS"):
+        common.parse_size_overrides(["1e9"])
+
+    # a trained model's config gives the exact count, built on the meta device
+    config = GPTNeoXConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    config.save_pretrained(tmp_path / "sft_out")
+    expected = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    def run(base_model, output_dir):
+        config = {"exp_name": "sft", "base_model": base_model, "seed": 1, "output_dir": output_dir}
+        return common.Run(name="r", config=config, created=0.0)
+
+    runs = [run(PYTHIA_1B, str(tmp_path / "sft_out")), run("local/unnamed", str(tmp_path / "gone"))]
+    with pytest.raises(ValueError, match="cannot tell the size of 'local/unnamed'"):
+        common.model_sizes(runs, {})
+    sizes = common.model_sizes(runs, {"local/unnamed": 123.0})
+    assert sizes == {PYTHIA_1B: expected, "local/unnamed": 123}
+    assert common.format_size(expected) == f"{expected / 1e3:.3g}K"
+    assert common.format_size(6.9e9) == "6.9B" and common.format_size(4.05e8) == "405M"
+
+
+class FakeApi:
+    """Stands in for wandb.Api(): runs with config, summary and creation time."""
+
+    def __init__(self, runs):
+        self._runs, self.calls = runs, []
+
+    def runs(self, path, filters=None):
+        self.calls.append((path, filters))
+        return self._runs
+
+
+class FakeWandbRun:
+    def __init__(self, name, config, summary, created_at):
+        self.name, self.id, self.config, self.summary_metrics, self.created_at = name, name, config, summary, created_at
+
+
+def test_wandb_summaries(tmp_path, monkeypatch):
+    import wandb
+
+    runs = [
+        FakeWandbRun("sft_a", {"exp_name": "sft", "base_model": PYTHIA_1B, "seed": 1}, {"validation/sft/rouge/rougeL": 0.2},
+                     "2024-01-01T00:00:00Z"),
+        FakeWandbRun("sft_b", {"exp_name": "sft", "base_model": PYTHIA_1B, "seed": 2}, {"validation/sft/rouge/rougeL": 0.3},
+                     "2024-01-01T00:00:00"),
+        FakeWandbRun("sft_old", {"exp_name": "sft", "base_model": PYTHIA_1B, "seed": 2}, {"validation/sft/rouge/rougeL": 0.9},
+                     "2023-01-01T00:00:00"),
+        FakeWandbRun("rm", {"exp_name": "reward", "base_model": PYTHIA_1B, "seed": 1}, rm_metrics(0.6, 0.5, {3: 0.7}),
+                     "2024-01-01T00:00:00"),
+    ]
+    api = FakeApi(runs)
+    monkeypatch.setattr(wandb, "Api", lambda: api)
+    out = str(tmp_path / "out")
+    sft_rm_scale.main(sft_rm_scale.Args(wandb_project="tldr", wandb_entity="me", wandb_tags=["v1"], out=out))
+    path, filters = api.calls[0]
+    assert path == "me/tldr"
+    assert filters == {"$and": [{"config.exp_name": {"$in": ["sft", "reward"]}}, {"tags": {"$in": ["v1"]}}]}
+    rouge = read(out, "rouge_score_plot").iloc[0]
+    assert (rouge["values"], rouge["mean"]) == ("0.2 0.3", pytest.approx(0.25))
+    assert read(out, "rm_scale_plot")["mean"].tolist() == pytest.approx([0.6, 0.5])
+    assert read(out, "rm_scale_plot_confidence")["confidence"].tolist() == [3]
