@@ -31,7 +31,7 @@ done
 # (SFT 128, RM 64, PPO 512), so on fewer GPUs the same command accumulates more steps, and when a
 # stage runs out of memory you halve its micro batch. The defaults fit Pythia 410m and 1b on 80 GB
 # GPUs; the sbatch files carry the values for 2.8b and 6.9b.
-NUM_GPUS=${NUM_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+NUM_GPUS=${NUM_GPUS:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
 SFT_MICRO_BATCH=${SFT_MICRO_BATCH:-16}
 RM_MICRO_BATCH=${RM_MICRO_BATCH:-8}
 PPO_MICRO_BATCH=${PPO_MICRO_BATCH:-16}
@@ -39,6 +39,8 @@ PPO_ROLLOUT_FORWARD_BATCH=${PPO_ROLLOUT_FORWARD_BATCH:-64}   # rollout generatio
 EVAL_BATCH=${EVAL_BATCH:-8}
 PPO_OFFLOAD=${PPO_OFFLOAD:-0}    # 1: the frozen reference and reward model live in CPU memory (6.9b)
 TRACK=${TRACK:-0}                # 1: log to wandb as well (WANDB_MODE=offline keeps it local)
+# The win-rate judge of real runs: OPENAI_API_KEY (with OPENAI_BASE_URL for another
+# OpenAI-compatible server) and JUDGE_MODEL (gpt-3.5-turbo-0125, the paper's); none: no win rates.
 
 # --- the embedded default ------------------------------------------------------------------------
 RAW_DIR=data/raw                  # synthetic raw files in the upstream schemas
@@ -188,7 +190,21 @@ else
             --local_eval_batch_size "$EVAL_BATCH" "${ppo_offload[@]}"
 fi
 
-# EVAL_STEP_PLACEHOLDER
+# The eval plots (eval/, reruns in seconds, so never skipped): SFT ROUGE-L and RM accuracy vs model
+# size, win rate against the reference summaries vs model size and response length. One model and
+# one seed give single points; eval/ on more runs fills the plots in.
+echo "== eval/ plots"
+$PY eval/sft_rm_scale.py --run_glob "${NAME}_*" --out "$PLOTS_DIR"
+if [[ $TINY == 1 ]]; then
+    $PY eval/rlhf_scaling_plot.py --run_glob "${NAME}_*" --judge gold --out "$PLOTS_DIR"
+elif [[ -n ${OPENAI_API_KEY:-} ]]; then
+    # the paper's judge; any OpenAI-compatible server through OPENAI_BASE_URL
+    $PY eval/rlhf_scaling_plot.py --run_glob "${NAME}_*" --judge chat --chat.model "${JUDGE_MODEL:-gpt-3.5-turbo-0125}" \
+        --out "$PLOTS_DIR"
+else
+    echo "no win-rate plot: the gold judge exists only for the synthetic data; set OPENAI_API_KEY (and" \
+         "OPENAI_BASE_URL, JUDGE_MODEL) for the chat judge"
+fi
 
 echo
 if [[ $TINY == 1 ]]; then

@@ -120,17 +120,20 @@ def collect(args: Args) -> list:
         rows.append(("models", f"{args.models_dir}/{{{','.join(models)}}}"))
     if os.path.isdir(args.plots_dir):
         plots = [name for name in os.listdir(args.plots_dir) if name.endswith(".png")]
-        rows.append(("plots", f"{args.plots_dir}/*.png ({len(plots)} plots, with PDF, markdown and CSV)"))
+        rows.append(("plots", f"{args.plots_dir} ({len(plots)} plots: PNG, PDF, CSV, markdown)"))
     return rows
 
 
 def main(args: Args) -> None:
     table = Table(title="embedded default: results")
     table.add_column("metric")
-    table.add_column("value", justify="right")
+    table.add_column("value", justify="right", overflow="fold")
     for what, value in collect(args):
         table.add_row(what, value)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log file: rich would assume 80 columns and wrap every label
+        console.width = 120
+    console.print(table)
 
 
 if __name__ == "__main__":

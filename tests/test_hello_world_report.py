@@ -70,7 +70,7 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     args = report.Args(runs_dir=str(runs), models_dir=str(models), plots_dir=str(tmp_path / "plots"))
     rows = dict(report.collect(args))
     assert rows["models"] == f"{models}/{{reward_model}}"
-    assert rows["plots"] == f"{tmp_path / 'plots'}/*.png (2 plots, with PDF, markdown and CSV)"
+    assert rows["plots"] == f"{tmp_path / 'plots'} (2 plots: PNG, PDF, CSV, markdown)"
     assert rows["SFT gold-judge win rate vs reference (2 prompts)"] == "0.500"
     assert rows["PPO gold-judge win rate vs reference (2 prompts)"] == "1.000"
     assert rows["PPO KL to the SFT policy (nats per response, last 5 updates)"] == "3.00"

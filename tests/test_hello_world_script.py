@@ -41,7 +41,9 @@ def checkout(tmp_path):
 
 
 def run(checkout, gpus, *flags, **env):
-    executable(checkout / "bin/nvidia-smi", "#!/bin/sh\n" + "".join(f"echo 'GPU {i}: H100'\n" for i in range(gpus)))
+    (checkout / "bin/nvidia-smi").unlink(missing_ok=True)
+    if gpus:  # none: a machine without nvidia-smi
+        executable(checkout / "bin/nvidia-smi", "#!/bin/sh\n" + "".join(f"echo 'GPU {i}: H100'\n" for i in range(gpus)))
     record = checkout / "record.jsonl"
     record.unlink(missing_ok=True)
     environment = {"PATH": f"{checkout / 'bin'}:/usr/bin:/bin", "RECORD": str(record), "HOME": str(checkout), **env}
@@ -82,6 +84,9 @@ def test_real_pipeline_keeps_the_paper_batch_sizes(checkout, gpus):
     assert "--offload" not in ppo and ppo_left_padding.Args.total_episodes == 1_000_000
     (report,) = [c for c in calls if "summarize_from_feedback_details.hello_world_report" in c]
     assert "--no_gold_judge" in report and flag(report, "--models_dir") == out
+    # no gold judge for real data, and no chat judge without a key
+    assert stage_calls(calls, "eval/sft_rm_scale.py") and not stage_calls(calls, "eval/rlhf_scaling_plot.py")
+    assert "set OPENAI_API_KEY" in result.stdout
 
 
 def test_real_pipeline_knobs_and_errors(checkout):
@@ -90,6 +95,10 @@ def test_real_pipeline_knobs_and_errors(checkout):
     assert result.returncode == 0, result.stderr
     (ppo,) = stage_calls(calls, "ppo_left_padding.py")
     assert flag(ppo, "--gradient_accumulation_steps") == "64" and {"--offload", "--track"} <= set(ppo)
+    _, calls = run(checkout, 2, MODEL="EleutherAI/pythia-2.8b-deduped", OPENAI_API_KEY="key", JUDGE_MODEL="judge")
+    (judge,) = stage_calls(calls, "eval/rlhf_scaling_plot.py")
+    assert (flag(judge, "--judge"), flag(judge, "--chat.model")) == ("chat", "judge")
+    assert flag(judge, "--run_glob") == "hello_world_pythia-2.8b-deduped_*"
     # a micro batch that cannot make the paper's batch is refused before anything runs
     shutil.rmtree(checkout / "models")
     result, calls = run(checkout, 8, MODEL="EleutherAI/pythia-2.8b-deduped", SFT_MICRO_BATCH="24")
@@ -109,6 +118,11 @@ def test_finished_stages_are_skipped_and_force_reruns(checkout):
     (ppo,) = stage_calls(first, "ppo_left_padding.py")
     assert flag(ppo, "--sft_model_path") == "models/hello_world/sft" and flag(ppo, "--total_episodes") == str(30 * 64)
     assert len(stage_calls(first, "sft.py")) == 2
+    # plots of this run's folders only, with the gold judge
+    for script in ("eval/sft_rm_scale.py", "eval/rlhf_scaling_plot.py"):
+        (call,) = stage_calls(first, script)
+        assert (flag(call, "--run_glob"), flag(call, "--out")) == ("hello_world_*", "eval/images/hello_world")
+    assert flag(stage_calls(first, "eval/rlhf_scaling_plot.py")[0], "--judge") == "gold"
     result, second = run(checkout, 0)
     assert result.returncode == 0 and result.stdout.count("exists, skipping") == 7
     assert not stage_calls(second, "sft.py") and not stage_calls(second, "ppo_left_padding.py")
