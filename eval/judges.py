@@ -85,6 +85,10 @@ class ChatJudgeConfig:
     """every verdict (unparsed ones too), keyed by a hash of model, temperature and prompt: a rerun asks only for new rows"""
     seed: int = 1
     """seeds the per-row coin that puts the policy's summary in slot A or B"""
+    paper_parsing: bool = False
+    """read verdicts as the paper's oai.py did, to compare with its numbers: the first reply's text
+    after `Preferred:` must be exactly A or B to count for the policy (so "A." counts for the
+    reference), and a reply without `Preferred:` goes to a random side. Biased against the policy."""
 
 
 SYSTEM_PROMPT = "You are a careful, impartial judge of text summaries."
@@ -132,6 +136,15 @@ def parse_preference(reply: Optional[str]) -> Optional[str]:
     return letters.pop() if len(letters) == 1 else None
 
 
+def paper_preference(reply: str, key: str) -> str:
+    """The paper's oai.py reading of a reply: the text after `Preferred:`, stripped, taken as is
+    ("A", "B", or anything else, which never matches the policy's slot); without that field, a coin
+    (seeded by the row's cache key, so reruns agree)."""
+    if "Preferred:" not in reply:
+        return "A" if int(key, 16) % 2 == 0 else "B"
+    return reply.split("Preferred:")[-1].strip()
+
+
 def policy_slot(seed: int, post: str, response: str, reference: str) -> str:
     """The slot ("A" or "B") of the policy's summary: a fair coin against the judge's position
     bias, fixed by the seed and the row's texts so a rerun builds the same prompt (and hits the
@@ -150,8 +163,9 @@ def cache_key(model: str, temperature: Optional[float], messages: list) -> str:
 
 
 class VerdictCache:
-    """Append-only JSONL of {"key", "model", "preferred" (A, B or null), "reply", "asks"}; each
-    verdict is written as soon as it arrives, so an interrupted run keeps what it paid for."""
+    """Append-only JSONL of {"key", "model", "preferred" (A, B or null), "reply" (the last),
+    "first_reply", "asks"}; each verdict is written as soon as it arrives, so an interrupted run
+    keeps what it paid for."""
 
     def __init__(self, path: str):
         self.path = path
@@ -201,8 +215,12 @@ class ChatJudge:
         results = []
         for slot, _, key in prompts:
             entry = self.cache.entries[key]
-            preferred = entry["preferred"]
-            verdict = "unparsed" if preferred is None else "policy" if preferred == slot else "reference"
+            if self.config.paper_parsing:
+                preferred = paper_preference(entry["first_reply"], key)
+                verdict = "policy" if preferred == slot else "reference"
+            else:
+                preferred = entry["preferred"]
+                verdict = "unparsed" if preferred is None else "policy" if preferred == slot else "reference"
             results.append({"verdict": verdict, "policy_slot": slot, "preferred": preferred,
                             "reply": entry["reply"], "key": key})
         return results
@@ -219,9 +237,9 @@ class ChatJudge:
                 task = progress.add_task(f"judging with {self.config.model}", total=len(todo))
 
                 async def one(key: str, messages: list) -> None:
-                    preferred, reply, asks = await self._verdict(client, semaphore, messages)
+                    preferred, replies = await self._verdict(client, semaphore, messages)
                     self.cache.put({"key": key, "model": self.config.model, "preferred": preferred,
-                                    "reply": reply, "asks": asks})
+                                    "reply": replies[-1], "first_reply": replies[0], "asks": len(replies)})
                     progress.advance(task)
 
                 await asyncio.gather(*(one(key, messages) for key, messages in todo.items()))
@@ -230,15 +248,15 @@ class ChatJudge:
 
     async def _verdict(self, client, semaphore, messages: list) -> tuple:
         """Ask; while the answer has no valid verdict line, show the judge its answer and ask again,
-        up to `parse_retries` times. Returns (preferred slot or None, last reply, answers asked for)."""
-        conversation = list(messages)
-        for attempt in range(self.config.parse_retries + 1):
-            reply = await self._complete(client, semaphore, conversation)
-            preferred = parse_preference(reply)
+        up to `parse_retries` times. Returns (preferred slot or None, every reply in order)."""
+        conversation, replies = list(messages), []
+        for _ in range(self.config.parse_retries + 1):
+            replies.append(await self._complete(client, semaphore, conversation))
+            preferred = parse_preference(replies[-1])
             if preferred is not None:
                 break
-            conversation += [{"role": "assistant", "content": reply}, {"role": "user", "content": REASK}]
-        return preferred, reply, attempt + 1
+            conversation += [{"role": "assistant", "content": replies[-1]}, {"role": "user", "content": REASK}]
+        return preferred, replies
 
     async def _complete(self, client, semaphore, messages: list) -> str:
         """One chat completion; 429, 5xx, timeouts and connection errors are resent after an

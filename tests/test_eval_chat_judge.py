@@ -206,6 +206,29 @@ def test_chat_judge_against_stand_in_server(tmp_path, monkeypatch):
         for name, text in first_tables.items():
             assert open(os.path.join(out, name)).read() == text
 
+        # --chat.paper_parsing reads the same cached first replies as the paper's oai.py: no new
+        # request, and "**Preferred:** A." or an unreadable first reply counts for the reference
+        rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, judge="chat", tokenizer=tokenizer,
+                            chat=judges.ChatJudgeConfig(**{**vars(chat), "paper_parsing": True})))
+        assert len(server.requests) == n_requests
+        judged = pd.concat([pd.read_csv(os.path.join(out, "judged", f"{exp}__1__100.csv"), keep_default_na=False)
+                            for exp in RUNS], ignore_index=True)
+        paper = ["reference" if tag in ("GARBLE_ONCE", "GARBLE_ALWAYS", "DOT") else verdict
+                 for (tag, _, _), verdict in zip(ROWS, expected)]
+        assert judged["verdict"].tolist() == paper
+        runs = pd.read_csv(os.path.join(out, "rlhf_scale_plot_runs.csv")).set_index("policy")
+        assert runs.loc["SFT", ["wins", "unparsed"]].tolist() == [3, 0] and runs.loc["PPO", "win_rate"] == pytest.approx(3 / 7)
+
+
+def test_paper_parsing_known_answers():
+    key = "ab" * 32
+    assert judges.paper_preference("Comparison: fine.\nPreferred: B", key) == "B"
+    assert judges.paper_preference("Comparison: fine.\nPreferred: A.", key) == "A."  # never a slot: a loss
+    assert judges.paper_preference("**Preferred:** A", key) == "** A"
+    # no field: a coin, fixed by the row's key
+    coins = [judges.paper_preference("I cannot decide.", f"{i:064x}") for i in range(200)]
+    assert set(coins) == {"A", "B"} and coins == [judges.paper_preference("?", f"{i:064x}") for i in range(200)]
+
 
 def test_api_errors_give_up_with_a_clear_message(tmp_path, monkeypatch):
     """A server that keeps failing stops the run after api_retries resends, naming the cache."""
