@@ -22,3 +22,9 @@ test: install
 
 clean:
 	rm -rf $(VENV) data models runs
+
+# Opt-in, not part of `make test`: the sbatches/ chain (TINY=1) on a throwaway one-node Slurm
+# cluster started on this machine. Needs root: installs slurm + munge from Debian if missing.
+.PHONY: test-slurm
+test-slurm: install
+	tests/slurm/test_sbatch_chain.sh
