@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
@@ -264,6 +263,7 @@ class Logger:
 
     def __init__(self, args: Args, accelerator: Accelerator):
         self.main = accelerator.is_main_process
+        self.track = self.main and args.track
         self.folder = os.path.join("runs", args.run_name)
         if not self.main:
             return
@@ -291,15 +291,19 @@ class Logger:
     def table(self, name: str, frame: pd.DataFrame) -> None:
         if self.main:
             frame.to_csv(os.path.join(self.folder, f"{name}.csv"), index=False)
-            if "wandb" in sys.modules:  # eval/rlhf_scaling_plot.py judges this table from wandb
-                sys.modules["wandb"].log({name: sys.modules["wandb"].Table(dataframe=frame)})
+        if self.track:  # eval/rlhf_scaling_plot.py judges this table from wandb
+            import wandb
+
+            wandb.log({name: wandb.Table(dataframe=frame)})
 
     def close(self) -> None:
         if self.main:
             self.writer.close()
             self.jsonl.close()
-            if "wandb" in sys.modules:
-                sys.modules["wandb"].finish()
+        if self.track:
+            import wandb
+
+            wandb.finish()
 
 
 # ---------------------------------------------------------------------------------------------

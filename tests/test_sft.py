@@ -237,6 +237,22 @@ def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_datasets, tokeniz
     assert os.path.isdir(tmp_path / "wandb")  # --track wrote an offline wandb run
 
 
+def test_logger_uses_wandb_only_for_its_own_tracked_run(tmp_path, monkeypatch):
+    """An untracked run in a process where wandb is already imported (a notebook, the test suite)
+    writes its tables locally and never calls wandb."""
+    import types
+
+    import pandas as pd
+    import wandb
+
+    monkeypatch.chdir(tmp_path)
+    logger = sft.Logger(sft.Args(run_name="untracked"), types.SimpleNamespace(is_main_process=True))
+    logger.table("validation_table", pd.DataFrame({"query": ["q"], "postprocessed_response": ["r"]}))
+    logger.close()
+    assert wandb.run is None
+    assert pd.read_csv(tmp_path / "runs" / "untracked" / "validation_table.csv")["query"].tolist() == ["q"]
+
+
 def test_clear_errors(tiny_datasets, tokenizer_dir, tmp_path):
     data_dir, _ = tiny_datasets
 
