@@ -99,6 +99,19 @@ def wandb_runs(project: str, entity: Optional[str], exp_names: list, tags: list,
     return runs
 
 
+def find_runs(source, exp_names: list) -> tuple:
+    """The newest run per (exp_name, base_model, seed) of `exp_names`, from where the script's Args
+    (`source`: runs_dir, wandb_project, wandb_entity, wandb_tags, run_glob) point: the local run
+    folders, or wandb with --wandb_project. Also returns that place, worded for messages."""
+    if source.wandb_project:
+        runs = wandb_runs(source.wandb_project, source.wandb_entity, exp_names, source.wandb_tags, source.run_glob)
+        where = f"wandb project {source.wandb_project}"
+    else:
+        runs = local_runs(source.runs_dir, exp_names, source.run_glob)
+        where = source.runs_dir
+    return newest_per_key(runs), where + (f" matching {source.run_glob!r}" if source.run_glob else "")
+
+
 def newest_per_key(runs: list) -> list:
     """One run per (exp_name, base_model, seed): the newest, with a warning naming the others."""
     by_key = {}

@@ -30,8 +30,8 @@ import numpy as np
 import pandas as pd
 import tyro
 
-from common import (console, finish_scaling_axes, format_size, local_runs, model_sizes, newest_per_key, parse_size_overrides,
-                    plot_over_sizes, save_figure, seed_summary, shifts, wandb_runs, write_table)
+from common import (console, find_runs, finish_scaling_axes, format_size, model_sizes, parse_size_overrides,
+                    plot_over_sizes, save_figure, seed_summary, shifts, write_table)
 from judges import EOS_TEXT, PAD_TEXT, ChatJudge, ChatJudgeConfig, gold_verdicts, win_counts
 
 
@@ -171,11 +171,7 @@ def main(args: Args) -> None:
     judge_name = "gold judge" if judge is None else f"{args.chat.model} judge"
 
     # 1. the runs and their eval tables
-    if args.wandb_project:
-        runs = wandb_runs(args.wandb_project, args.wandb_entity, list(policies), args.wandb_tags, args.run_glob)
-    else:
-        runs = local_runs(args.runs_dir, list(policies), args.run_glob)
-    runs = newest_per_key(runs)
+    runs, where = find_runs(args, list(policies))
     tables = {}
     with tempfile.TemporaryDirectory() as download_dir:
         for run in runs:
@@ -186,9 +182,7 @@ def main(args: Args) -> None:
                 tables[run.name] = table.head(args.num_rows) if args.num_rows else table
     runs = [run for run in runs if run.name in tables]
     if not runs:
-        where = f"wandb project {args.wandb_project}" if args.wandb_project else args.runs_dir
-        raise SystemExit(f"no {' or '.join(policies)} run with a {args.table} table in {where}"
-                         + (f" matching {args.run_glob!r}" if args.run_glob else ""))
+        raise SystemExit(f"no {' or '.join(policies)} run with a {args.table} table in {where}")
     sizes = model_sizes(runs, parse_size_overrides(args.model_size))
 
     # 2. every row of every table, judged in one go (one progress bar, one concurrency bound)

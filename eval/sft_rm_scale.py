@@ -23,9 +23,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import tyro
 
-from common import (console, finish_scaling_axes, local_runs, model_label, model_sizes, newest_per_key,
-                    parse_size_overrides, plot_over_sizes, save_figure, seed_summary, shifts, wandb_runs,
-                    write_table)
+from common import (console, find_runs, finish_scaling_axes, model_label, model_sizes, parse_size_overrides,
+                    plot_over_sizes, save_figure, seed_summary, shifts, write_table)
 from summarize_from_feedback_details.hello_world_report import last_metrics
 
 
@@ -90,14 +89,9 @@ def confidence_values(runs: list, metrics: dict, sizes: dict, split: str) -> pd.
 
 def main(args: Args) -> None:
     exp_names = [args.sft_exp_name, args.reward_exp_name]
-    if args.wandb_project:
-        runs = wandb_runs(args.wandb_project, args.wandb_entity, exp_names, args.wandb_tags, args.run_glob)
-    else:
-        runs = local_runs(args.runs_dir, exp_names, args.run_glob)
-    runs = newest_per_key(runs)
+    runs, where = find_runs(args, exp_names)
     if not runs:
-        where = f"wandb project {args.wandb_project}" if args.wandb_project else args.runs_dir
-        raise SystemExit(f"no {' or '.join(exp_names)} run in {where}" + (f" matching {args.run_glob!r}" if args.run_glob else ""))
+        raise SystemExit(f"no {' or '.join(exp_names)} run in {where}")
     sizes = model_sizes(runs, parse_size_overrides(args.model_size))
     metrics = {run.name: final_metrics(run) for run in runs}
     sft_runs = [r for r in runs if r.config["exp_name"] == args.sft_exp_name]
