@@ -11,6 +11,8 @@
 #                              the real pipeline with the paper's hyperparameters on this node's
 #                              GPUs: hub data and model, DeepSpeed ZeRO-2 (deepspeed.yaml), bf16
 set -euo pipefail
+# An array that may be empty is expanded as ${a[@]+"${a[@]}"}: under set -u, bash before 4.4
+# (4.2 on older login nodes) aborts on "${a[@]}" of an empty array with "a[@]: unbound variable".
 cd "$(dirname "$0")"
 
 SEED=${SEED:-1}
@@ -31,7 +33,25 @@ done
 # (SFT 128, RM 64, PPO 512), so on fewer GPUs the same command accumulates more steps, and when a
 # stage runs out of memory you halve its micro batch. The defaults fit Pythia 410m and 1b on 80 GB
 # GPUs; the sbatch files carry the values for 2.8b and 6.9b.
-NUM_GPUS=${NUM_GPUS:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
+# NUM_GPUS: the processes of the real pipeline, one per GPU. Default: the GPUs this process may use,
+# as CUDA would count them: CUDA_VISIBLE_DEVICES when set (Slurm and shared machines set it; set
+# but empty, or starting with an entry that is no GPU index or UUID such as -1, means none),
+# otherwise every GPU nvidia-smi lists.
+visible_gpus() {
+    if [[ -z ${CUDA_VISIBLE_DEVICES+set} ]]; then
+        (nvidia-smi -L 2>/dev/null || true) | wc -l
+        return
+    fi
+    local entries entry count=0
+    IFS=, read -ra entries <<<"$CUDA_VISIBLE_DEVICES"
+    # CUDA ignores the list from the first invalid entry on
+    for entry in ${entries[@]+"${entries[@]}"}; do
+        [[ $entry =~ ^[[:space:]]*([0-9]+|GPU-.+|MIG-.+)[[:space:]]*$ ]] || break
+        count=$((count + 1))
+    done
+    echo "$count"
+}
+NUM_GPUS=${NUM_GPUS:-$(visible_gpus)}
 SFT_MICRO_BATCH=${SFT_MICRO_BATCH:-16}
 RM_MICRO_BATCH=${RM_MICRO_BATCH:-8}
 PPO_MICRO_BATCH=${PPO_MICRO_BATCH:-16}
@@ -71,7 +91,8 @@ else
         echo "--data builds the embedded default; leave MODEL unset" >&2; exit 2
     fi
     if (( NUM_GPUS < 1 )); then
-        echo "MODEL=$MODEL runs the real pipeline, which needs GPUs (none found; set NUM_GPUS)" >&2; exit 2
+        echo "MODEL=$MODEL runs the real pipeline, which needs GPUs (none found by nvidia-smi -L or in" \
+             "CUDA_VISIBLE_DEVICES; set NUM_GPUS)" >&2; exit 2
     fi
 fi
 OUT_DIR=models/$NAME
@@ -108,7 +129,7 @@ run_training() {
         local track=()
         if [[ $TRACK == 1 ]]; then track=(--track); fi
         .venv/bin/accelerate launch --config_file deepspeed.yaml --num_processes "$NUM_GPUS" "$script" "$@" \
-            --run_name "${NAME}_$stage" --seed "$SEED" --run_eval --deepspeed "${track[@]}"
+            --run_name "${NAME}_$stage" --seed "$SEED" --run_eval --deepspeed ${track[@]+"${track[@]}"}
     fi
 }
 # accumulation BATCH MICRO: the gradient_accumulation_steps that keep the paper's BATCH
@@ -187,7 +208,7 @@ else
             --output_dir $OUT_DIR/ppo --local_micro_batch_size "$PPO_MICRO_BATCH" \
             --gradient_accumulation_steps "$PPO_ACCUMULATION" \
             --local_rollout_forward_batch_size "$PPO_ROLLOUT_FORWARD_BATCH" \
-            --local_eval_batch_size "$EVAL_BATCH" "${ppo_offload[@]}"
+            --local_eval_batch_size "$EVAL_BATCH" ${ppo_offload[@]+"${ppo_offload[@]}"}
 fi
 
 # The eval plots (eval/, reruns in seconds, so never skipped): SFT ROUGE-L and RM accuracy vs model
@@ -214,4 +235,4 @@ fi
 gold_judge=()
 if [[ $TINY == 0 ]]; then gold_judge=(--no_gold_judge); fi
 $PY -m summarize_from_feedback_details.hello_world_report --runs_dir runs --prefix "${NAME}_" \
-    --models_dir $OUT_DIR --plots_dir "$PLOTS_DIR" "${gold_judge[@]}"
+    --models_dir $OUT_DIR --plots_dir "$PLOTS_DIR" ${gold_judge[@]+"${gold_judge[@]}"}

@@ -10,6 +10,9 @@
 #                run folders to OUTPUT_ROOT/runs/ (the jobs run there)   default: the repository
 #   TINY=1       the embedded default on CPU: tiny models, local synthetic data (built by
 #                ./hello_world.sh --data), small episode counts, one process
+#   TRACK=1      log every stage to wandb as well (--track, runs tagged sbatch,<commit> unless
+#                WANDB_TAGS is set; WANDB_MODE=offline keeps them local). Off by default, so a
+#                cluster without a wandb login or network runs as it is
 #   EXTRA_FLAGS  appended to every stage's command line, e.g. "--push_to_hub --hf_entity me";
 #                SFT_FLAGS / REWARD_FLAGS / PPO_FLAGS come after it, for one stage only
 #   ACCELERATE_CONFIG  default deepspeed.yaml; the process count is the task's GPU count
@@ -17,6 +20,9 @@
 # The project's .venv is used when it exists (make install); otherwise python/accelerate on PATH.
 # Logs: slurm/logs/<job name>_<array job id>_<task id>.out under the repository (SBATCH_OUTPUT
 # overrides). `make test-slurm` runs the TINY=1 chain on a throwaway one-node cluster.
+#
+# An array that may be empty is expanded as ${a[@]+"${a[@]}"}: under set -u, bash before 4.4
+# (4.2 on older login nodes) aborts on "${a[@]}" of an empty array with "a[@]: unbound variable".
 set -euo pipefail
 die() { echo "error: $*" >&2; exit 2; }
 
@@ -50,7 +56,15 @@ MODEL_DIR=$OUTPUT_ROOT/models/$(basename "$MODEL")
 SFT_DIR=$MODEL_DIR/sft_$SEED
 RM_DIR=$MODEL_DIR/reward_model_$SEED
 PPO_DIR=$MODEL_DIR/ppo_$SEED
-read -ra extra_flags <<<"${EXTRA_FLAGS:-}"
+# flags of every stage, after its own: --track when TRACK=1 (wandb is opt-in), then EXTRA_FLAGS
+TRACK=${TRACK:-0}
+track=""
+if [[ $TRACK == 1 ]]; then
+    track=--track
+    commit=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo no-git)
+    export WANDB_TAGS=${WANDB_TAGS:-sbatch,$commit}
+fi
+read -ra extra_flags <<<"$track ${EXTRA_FLAGS:-}"
 
 if [[ -x $REPO/.venv/bin/python ]]; then export PATH=$REPO/.venv/bin:$PATH; fi
 if [[ $TINY == 1 ]]; then
@@ -69,10 +83,9 @@ else
     config=${ACCELERATE_CONFIG:-deepspeed.yaml}
     [[ $config == /* ]] || config=$REPO/$config
     launcher=(accelerate launch --config_file "$config" --num_processes "$NGPUS")
-    commit=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo no-git)
-    export WANDB_TAGS=${WANDB_TAGS:-sbatch,$commit}
 fi
 [[ -z ${LAUNCHER:-} ]] || read -ra launcher <<<"$LAUNCHER"
+((${#launcher[@]})) || die "LAUNCHER is blank: unset it for the default launcher"
 
 # accumulation BATCH MICRO: keeps the paper's global batch,
 #   BATCH = local_micro_batch_size (MICRO) x gradient_accumulation_steps x NGPUS processes

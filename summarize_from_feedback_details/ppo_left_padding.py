@@ -114,9 +114,9 @@ class Args:
     eps: float = 1e-5
     weight_decay: float = 0.01
     """AdamW weight decay (the paper's runs got 0.01 silently from torch's default)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping; 1.0 is what the paper's DeepSpeed runs got from accelerate's default. Applied
-    the same way with and without DeepSpeed"""
+    max_grad_norm: Optional[float] = None
+    """clip the global gradient norm (policy and critic together) at this value, the same way with and
+    without DeepSpeed; unset or <= 0: no clipping, which is what the paper's runs did (DESIGN section 4)"""
     optimizer: Literal["adamw", "adam"] = "adamw"
 
     # batch sizes, in episodes (queries): local_batch_size = local_micro_batch_size *
@@ -126,6 +126,9 @@ class Args:
     local_micro_batch_size: int = 1
     nminibatches: int = 1
     """minibatches (optimizer steps) per PPO epoch"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's and critic's activations in the backward pass: less memory, about a third
+    more compute in the PPO epochs, the same update"""
     total_episodes: int = 1_000_000
     local_eval_batch_size: int = 2
     """queries per process for the per-update validation score and in the final eval"""
@@ -209,6 +212,13 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
         raise ValueError(f"total_episodes {args.total_episodes} < batch_size {args.batch_size}: no update possible")
 
 
+def clipping_norm(max_grad_norm: Optional[float]) -> Optional[float]:
+    """The gradient norm to clip at, or None for no clipping (unset or <= 0). torch's
+    clip_grad_norm_ at 0 would zero every gradient, and DeepSpeed reads 0 as "off": this makes both
+    backends agree."""
+    return max_grad_norm if max_grad_norm is not None and max_grad_norm > 0 else None
+
+
 def epoch_permutations(n: int, epochs: int, seed: int) -> list:
     """A fresh permutation of range(n) per epoch, from the global seed only (identical on all ranks)."""
     generator = torch.Generator().manual_seed(seed)
@@ -231,11 +241,12 @@ def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torc
 
 def forward(model, input_ids: torch.Tensor, pad_id: int):
     """Pad ids become a valid id and are masked out; positions count real tokens only (so left
-    padding changes nothing, also for models with absolute positions)."""
+    padding changes nothing, also for models with absolute positions). No KV cache: nothing
+    generates from this pass, and a cache would hold every layer's keys and values."""
     attention_mask = input_ids != pad_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, return_dict=True)
+                 position_ids=position_ids, use_cache=False, return_dict=True)
 
 
 def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
@@ -509,25 +520,44 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """Activation checkpointing of every layer, non-reentrant: the backward recomputes exactly the
+    forward it replaces (dropout is off), and no input needs requires_grad. transformers 5.23 renamed
+    the method; older 5.x only has the first name."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def check_model_path(path: str) -> None:
     if looks_local(path) and not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path} does not exist")
 
 
-def load_policy(path: str, tokenizer):
+def frozen_dtype(mixed_precision: str) -> torch.dtype:
+    """The dtype of the reference policy and reward model, which never train: the mixed-precision
+    dtype when there is one (DeepSpeed would cast an fp32 copy to it anyway, after the host had held
+    it: 4 bytes per parameter per process instead of 2), else fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+
+
+def load_policy(path: str, tokenizer, dtype: torch.dtype = torch.float32):
+    """A causal LM in `dtype` whatever the checkpoint's (fp32 master weights for the trained policy;
+    mixed precision is accelerate's job)."""
     check_model_path(path)
-    # fp32 master weights whatever the checkpoint's dtype; mixed precision is accelerate's job
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     disable_dropout(model)
     return model
 
 
-def load_reward_model(path: str, tokenizer):
-    """A saved reward model (reward.py), head and normalisation included."""
+def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32):
+    """A saved reward model (reward.py), head and normalisation included, in `dtype`."""
     check_model_path(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     # HF's pooling reads the rightmost token that is not config.pad_token_id: the EOS
@@ -575,14 +605,16 @@ def prepare_frozen(model, args: Args, accelerator: Accelerator):
 
 
 def describe_frozen(model) -> str:
-    """How a frozen model is held (printed at startup, so a run shows where --offload put it)."""
+    """How a frozen model is held (printed at startup, so a run shows its dtype and where --offload
+    put it)."""
+    dtype = next(model.parameters()).dtype
     if not hasattr(model, "zero_optimization_stage"):
-        return f"plain module on {next(model.parameters()).device}"
+        return f"plain module on {next(model.parameters()).device}, {dtype}"
     offload = model.zero_offload_param()
     device = getattr(offload.device, "value", offload.device) if offload is not None else "none"
     local = sum(p.numel() for p in model.module.parameters())
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.module.parameters())
-    return (f"DeepSpeed ZeRO-{model.zero_optimization_stage()} engine, parameter offload {device}, "
+    return (f"DeepSpeed ZeRO-{model.zero_optimization_stage()} engine, {dtype}, parameter offload {device}, "
             f"{local} of {total} parameters resident on this rank")
 
 
@@ -699,6 +731,7 @@ def main(args: Args) -> None:
     if args.deepspeed and deepspeed_plugin is None:
         raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
                          "(accelerate launch --config_file deepspeed.yaml ...)")
+    clip_norm = clipping_norm(args.max_grad_norm)
     if args.offload and deepspeed_plugin is None:
         raise ValueError("--offload puts the frozen models on DeepSpeed ZeRO-3: launch with a DeepSpeed "
                          "accelerate config (accelerate launch --config_file deepspeed.yaml ...)")
@@ -708,9 +741,10 @@ def main(args: Args) -> None:
                              "every rank: use ZeRO-2 for policy + critic (deepspeed.yaml); --offload puts the "
                              "frozen reference and reward models on ZeRO-3")
         # one micro-batch per backward, one optimizer step per minibatch; clipping inside DeepSpeed
+        # (accelerate would fill in 1.0 where nothing is set; DeepSpeed reads 0 as "off")
         deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
         deepspeed_plugin.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-        deepspeed_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+        deepspeed_plugin.deepspeed_config["gradient_clipping"] = clip_norm or 0.0
 
     # run name: rank 0's clock, broadcast so every rank logs under one name
     stamp = broadcast(torch.tensor(int(time.time()), device=accelerator.device), 0).item()
@@ -726,16 +760,19 @@ def main(args: Args) -> None:
             f"gradient_accumulation_steps {args.gradient_accumulation_steps} x nminibatches {args.nminibatches} = "
             f"batch_size {args.batch_size} episodes (minibatch {args.mini_batch_size}); {args.num_updates} updates "
             f"over {args.total_episodes} episodes ({args.total_episodes - args.num_updates * args.batch_size} left "
-            f"over); weight_decay {args.weight_decay}; whitening "
+            f"over); weight_decay {args.weight_decay}; gradient clipping {clip_norm or 'off'}; whitening "
             f"{'per rank' if args.ppo.whiten_per_rank else 'global'}; loss normalised per "
             f"{args.ppo.loss_normalization.replace('_', '-')}; offload {args.offload}")
 
     tokenizer = load_tokenizer(args.base_model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     policy = load_policy(args.sft_model_path, tokenizer)
-    ref_policy = load_policy(args.sft_model_path, tokenizer)
+    ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
     critic = load_reward_model(args.reward_model_path, tokenizer)  # critic = the RM, head included
-    reward_model = load_reward_model(args.reward_model_path, tokenizer)
+    reward_model = load_reward_model(args.reward_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(policy)
+        enable_gradient_checkpointing(critic)
     model = PolicyAndValueWrapper(policy, critic, pad_id)
     optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
     optimizer = optimizer_class(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
@@ -751,6 +788,9 @@ def main(args: Args) -> None:
     reward_model = prepare_frozen(reward_model, args, accelerator)
     unwrapped = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
+        if deepspeed_plugin is not None:  # what the engine of policy + critic really got
+            console.print(f"DeepSpeed engine: ZeRO-{model.zero_optimization_stage()}, "
+                          f"gradient_clipping {model.gradient_clipping()}")
         console.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}",
                       soft_wrap=True)
     # per-update validation: global eval batch u is validation_order[u * G : (u + 1) * G] (wrapping),
@@ -772,7 +812,8 @@ def main(args: Args) -> None:
     temperature, fwd_batch = args.temperature, args.local_rollout_forward_batch_size
     ga, num_processes = args.gradient_accumulation_steps, accelerator.num_processes
 
-    model.train()  # (dropout is off in all four models: train/eval mode changes nothing else)
+    # Dropout is off in all four models; the mode only switches gradient checkpointing, which in
+    # train mode would also switch off generation's KV cache: eval for rollouts, train for the epochs.
     iter_loader = iter(train_loader)
     start = time.time()
     for update in track(range(1, args.num_updates + 1), description="ppo", disable=not accelerator.is_main_process):
@@ -782,6 +823,7 @@ def main(args: Args) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_now
 
+        model.eval()
         # validation score of the current policy on this update's held-out queries
         rows = cycling_slice(validation_order, (update - 1) * args.local_eval_batch_size * num_processes
                              + accelerator.process_index * args.local_eval_batch_size, args.local_eval_batch_size)
@@ -851,6 +893,7 @@ def main(args: Args) -> None:
             advantages = masked_whiten(advantages, ~padding_mask, reduce=reduce).masked_fill(padding_mask, 0)
 
         # ---- PPO epochs -------------------------------------------------------------------
+        model.train()
         stats = torch.zeros(args.ppo.noptepochs, args.nminibatches, len(STAT_NAMES), device=device)
         for epoch in range(args.ppo.noptepochs):
             batch_indices = np.random.permutation(args.local_batch_size)
@@ -886,8 +929,8 @@ def main(args: Args) -> None:
                         # accelerate divides by the accumulation steps and DDP averages over ranks:
                         # undo both so the gradient is exactly that of the minibatch objective
                         accelerator.backward(loss * ga * num_processes)
-                        if accelerator.sync_gradients:  # (DeepSpeed clips inside its own step)
-                            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        if accelerator.sync_gradients and clip_norm is not None:  # (DeepSpeed: in its step)
+                            accelerator.clip_grad_norm_(model.parameters(), clip_norm)
                         optimizer.step()
                         optimizer.zero_grad()
                     with torch.no_grad():
@@ -949,6 +992,7 @@ def main(args: Args) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    model.eval()
     if args.run_eval:
         for split, loader in eval_loaders.items():
             eval_metrics, table = evaluate(accelerator, unwrapped.policy, reward_model, tokenizer, loader, eval_config)
@@ -968,6 +1012,8 @@ def main(args: Args) -> None:
             policy_module.save_pretrained(args.output_dir, state_dict=policy_state)  # (safetensors)
             if args.push_to_hub:
                 push_to_hub(args, policy_module, tokenizer, policy_state)
+    if torch.cuda.is_available() and accelerator.is_main_process:
+        console.print(f"peak GPU memory of rank 0: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
     logger.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -71,9 +71,9 @@ class Args:
     eps: float = 1e-5
     weight_decay: float = 0.01
     """AdamW weight decay (the paper's runs got 0.01 silently from torch's default)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping; 1.0 is what the paper's DeepSpeed runs got from accelerate's default. Applied
-    the same way with and without DeepSpeed, so the backend does not change the update"""
+    max_grad_norm: Optional[float] = None
+    """clip the global gradient norm at this value, the same way with and without DeepSpeed; unset or
+    <= 0: no clipping, which is what the paper's runs did (DESIGN section 4)"""
     optimizer: Literal["adamw", "adam"] = "adamw"
     scheduler: str = "cosine"
     warm_up_steps: int = 0
@@ -89,6 +89,8 @@ class Args:
     """pairs per process in eval and rows per process in the normalisation pass"""
     total_episodes: Optional[int] = None
     """defaults to len(train split) * num_train_epochs"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, about a third more compute, the same update"""
     rank_dependent_shuffle: bool = False
     """the paper's data order: every rank shuffles the pairs with its own seed before accelerate
     shards them, so ranks overlap and miss pairs (about 66% unique pairs per epoch on 8 GPUs)"""
@@ -151,6 +153,13 @@ def derive_batch_sizes(args: Args, world_size: int, dataset_len: int) -> None:
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1:
         raise ValueError(f"total_episodes {args.total_episodes} < batch_size {args.batch_size}: no update possible")
+
+
+def clipping_norm(max_grad_norm: Optional[float]) -> Optional[float]:
+    """The gradient norm to clip at, or None for no clipping (unset or <= 0). torch's
+    clip_grad_norm_ at 0 would zero every gradient, and DeepSpeed reads 0 as "off": this makes both
+    backends agree."""
+    return max_grad_norm if max_grad_norm is not None and max_grad_norm > 0 else None
 
 
 def epoch_permutations(n: int, epochs: int, seed: int) -> list:
@@ -303,6 +312,17 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """Activation checkpointing of every layer, non-reentrant: the backward recomputes exactly the
+    forward it replaces (dropout is off), and no input needs requires_grad. transformers 5.23 renamed
+    the method; older 5.x only has the first name."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def load_reward_model(path: str, tokenizer, head_seed: Optional[int]):
     """A sequence-classification model with one label from `path`. From an SFT (causal-LM)
     checkpoint the LM head is dropped and a fresh head is initialised (`head_seed`); from a saved
@@ -450,10 +470,12 @@ def main(args: Args) -> None:
     if args.deepspeed and deepspeed_plugin is None:
         raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
                          "(accelerate launch --config_file deepspeed.yaml ...)")
+    clip_norm = clipping_norm(args.max_grad_norm)
     if deepspeed_plugin is not None:
         # our loader yields whole local batches: tell DeepSpeed the real micro-batch and clipping
+        # (accelerate would fill in 1.0 where nothing is set; DeepSpeed reads 0 as "off")
         deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
-        deepspeed_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+        deepspeed_plugin.deepspeed_config["gradient_clipping"] = clip_norm or 0.0
 
     # run name: rank 0's clock, broadcast so every rank logs under one name
     stamp = broadcast(torch.tensor(int(time.time()), device=accelerator.device), 0).item()
@@ -468,7 +490,7 @@ def main(args: Args) -> None:
                       f"gradient_accumulation_steps {args.gradient_accumulation_steps} = batch_size {args.batch_size} "
                       f"pairs; {args.num_updates} updates over {args.total_episodes} episodes "
                       f"({args.total_episodes - args.num_updates * args.batch_size} left over); "
-                      f"weight_decay {args.weight_decay}; max_grad_norm {args.max_grad_norm}")
+                      f"weight_decay {args.weight_decay}; gradient clipping {clip_norm or 'off'}")
 
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
@@ -476,6 +498,8 @@ def main(args: Args) -> None:
         model = load_reward_model(args.reward_model_path, tokenizer, head_seed=None)
     else:
         model = load_reward_model(args.sft_model_path, tokenizer, head_seed=args.seed)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
     optimizer = optimizer_class(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.scheduler, optimizer=optimizer, num_warmup_steps=args.warm_up_steps,
@@ -502,6 +526,9 @@ def main(args: Args) -> None:
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     eval_loaders = {s: accelerator.prepare(dl) for s, dl in eval_loaders.items()}
     reference_loader = accelerator.prepare(reference_loader)
+    if deepspeed_plugin is not None and accelerator.is_main_process:  # what the engine really got
+        console.print(f"DeepSpeed engine: ZeRO-{model.zero_optimization_stage()}, "
+                      f"gradient_clipping {model.gradient_clipping()}")
     logger = Logger(args, accelerator)
 
     model.train()
@@ -524,8 +551,8 @@ def main(args: Args) -> None:
                 # accelerate divides by the accumulation steps and DDP averages over ranks: undo
                 # both so the gradient is exactly that of the global-batch mean loss
                 accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
-                if accelerator.sync_gradients:  # (DeepSpeed clips inside its own step)
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if accelerator.sync_gradients and clip_norm is not None:  # (DeepSpeed clips inside its step)
+                    accelerator.clip_grad_norm_(model.parameters(), clip_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             stats += torch.stack([loss.detach(), (chosen > rejected).sum().float(), chosen.detach().sum(),
@@ -609,6 +636,8 @@ def main(args: Args) -> None:
             unwrapped.save_pretrained(args.output_dir, state_dict=state_dict)
             if args.push_to_hub:
                 push_to_hub(args, unwrapped, tokenizer, state_dict)
+    if torch.cuda.is_available() and accelerator.is_main_process:
+        console.print(f"peak GPU memory of rank 0: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
     logger.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()

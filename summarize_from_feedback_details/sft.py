@@ -55,9 +55,9 @@ class Args:
     eps: float = 1e-5
     weight_decay: float = 0.01
     """AdamW weight decay (the paper's runs got 0.01 silently from torch's default)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping; 1.0 is what the paper's DeepSpeed runs got from accelerate's default. Applied
-    the same way with and without DeepSpeed, so the backend does not change the update"""
+    max_grad_norm: Optional[float] = None
+    """clip the global gradient norm at this value, the same way with and without DeepSpeed; unset or
+    <= 0: no clipping, which is what the paper's runs did (DESIGN section 4)"""
     optimizer: Literal["adamw", "adam"] = "adamw"
     scheduler: str = "cosine"
     warm_up_steps: int = 0
@@ -72,6 +72,8 @@ class Args:
     local_eval_batch_size: int = 4
     total_episodes: Optional[int] = None
     """defaults to len(train split) * num_train_epochs; more than one pass reshuffles per pass"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, about a third more compute, the same update"""
     loss_normalization: Literal["sequence", "token"] = "sequence"
     """`sequence`: mean over the global batch of each sequence's token-mean loss (what the paper's
     runs computed, at micro-batch 1); `token`: mean over all target tokens of the global batch"""
@@ -135,6 +137,13 @@ def epoch_permutations(n: int, epochs: int, seed: int) -> list:
     return [i for _ in range(epochs) for i in torch.randperm(n, generator=generator).tolist()]
 
 
+def clipping_norm(max_grad_norm: Optional[float]) -> Optional[float]:
+    """The gradient norm to clip at, or None for no clipping (unset or <= 0). torch's
+    clip_grad_norm_ at 0 would zero every gradient, and DeepSpeed reads 0 as "off": this makes both
+    backends agree."""
+    return max_grad_norm if max_grad_norm is not None and max_grad_norm > 0 else None
+
+
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """Index of the first True of each row, or the row length when there is none."""
     row_len = bools.size(-1)
@@ -151,11 +160,12 @@ def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torc
 
 def forward(model, input_ids: torch.Tensor, pad_id: int):
     """Pad ids become a valid id and are masked out; positions count real tokens only (so left
-    padding changes nothing, also for models with absolute positions)."""
+    padding changes nothing, also for models with absolute positions). No KV cache: nothing
+    generates from this pass, and a cache would hold every layer's keys and values."""
     attention_mask = input_ids != pad_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, return_dict=True)
+                 position_ids=position_ids, use_cache=False, return_dict=True)
 
 
 def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
@@ -255,6 +265,17 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Activation checkpointing of every layer, non-reentrant: the backward recomputes exactly the
+    forward it replaces (dropout is off), and no input needs requires_grad. transformers 5.23 renamed
+    the method; older 5.x only has the first name."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class Logger:
@@ -368,10 +389,12 @@ def main(args: Args) -> None:
     if args.deepspeed and deepspeed_plugin is None:
         raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
                          "(accelerate launch --config_file deepspeed.yaml ...)")
+    clip_norm = clipping_norm(args.max_grad_norm)
     if deepspeed_plugin is not None:
         # our loader yields whole local batches: tell DeepSpeed the real micro-batch and clipping
+        # (accelerate would fill in 1.0 where nothing is set; DeepSpeed reads 0 as "off")
         deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
-        deepspeed_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+        deepspeed_plugin.deepspeed_config["gradient_clipping"] = clip_norm or 0.0
 
     # run name: rank 0's clock, broadcast so every rank logs under one name
     stamp = broadcast(torch.tensor(int(time.time()), device=accelerator.device), 0).item()
@@ -386,7 +409,7 @@ def main(args: Args) -> None:
                       f"gradient_accumulation_steps {args.gradient_accumulation_steps} = batch_size {args.batch_size}; "
                       f"{args.num_updates} updates over {args.total_episodes} episodes "
                       f"({args.total_episodes - args.num_updates * args.batch_size} left over); "
-                      f"weight_decay {args.weight_decay}; loss over "
+                      f"weight_decay {args.weight_decay}; gradient clipping {clip_norm or 'off'}; loss over "
                       f"{'response' if args.response_only_loss else 'all non-pad'} tokens, {args.loss_normalization}-normalised")
 
     tokenizer = load_tokenizer(args.base_model)
@@ -397,6 +420,8 @@ def main(args: Args) -> None:
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     disable_dropout(model)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
     optimizer = optimizer_class(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.scheduler, optimizer=optimizer, num_warmup_steps=args.warm_up_steps,
@@ -412,6 +437,9 @@ def main(args: Args) -> None:
     eval_loaders = {s: DataLoader(ds, batch_size=args.local_eval_batch_size) for s, ds in eval_sets.items()}
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     eval_loaders = {s: accelerator.prepare(dl) for s, dl in eval_loaders.items()}
+    if deepspeed_plugin is not None and accelerator.is_main_process:  # what the engine really got
+        console.print(f"DeepSpeed engine: ZeRO-{model.zero_optimization_stage()}, "
+                      f"gradient_clipping {model.gradient_clipping()}")
     gen_config = generation_config(args.response_length, args.temperature, pad_id)
     logger = Logger(args, accelerator)
     label_column = TRAIN_COLUMNS[1] if args.response_only_loss else TRAIN_COLUMNS[0]
@@ -440,8 +468,8 @@ def main(args: Args) -> None:
                 # accelerate divides by the accumulation steps and DDP averages over ranks: undo
                 # both so the gradient is exactly that of the global-batch objective
                 accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
-                if accelerator.sync_gradients:  # (DeepSpeed clips inside its own step)
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if accelerator.sync_gradients and clip_norm is not None:  # (DeepSpeed clips inside its step)
+                    accelerator.clip_grad_norm_(model.parameters(), clip_norm)
                 optimizer.step()
                 optimizer.zero_grad()
             loss_total += loss.detach()
@@ -481,6 +509,8 @@ def main(args: Args) -> None:
             accelerator.unwrap_model(model).save_pretrained(args.output_dir, state_dict=state_dict)
             if args.push_to_hub:
                 push_to_hub(args, accelerator.unwrap_model(model), tokenizer, state_dict)
+    if torch.cuda.is_available() and accelerator.is_main_process:
+        console.print(f"peak GPU memory of rank 0: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
     logger.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -7,8 +7,11 @@ Sources are the hub datasets by default, or local JSON/JSONL/parquet files in th
         --sft_dataset data/raw/tldr_sft --preference_dataset data/raw/comparisons \\
         --base_model models/tiny/pythia-tiny-s --output_dir data/tldr --tldr_params.length 160 ...
 
-A local source is a folder holding `<split>.jsonl` (or `.json` / `.parquet`) per split, or an
-explicit list `train=a.jsonl,validation=b.jsonl,...`. Output: `<output_dir>/sft` and
+The preference data comes from the hub's parquet export of `openai/summarize_from_feedback`
+(revision `refs/convert/parquet`, files `comparisons/{train,validation}/*.parquet`): its main branch
+holds a loading script, which `datasets` 4 and later refuse to run. A local source is a folder
+holding `<split>.jsonl` (or `.json` / `.parquet`) per split, a local copy of that parquet export, or
+an explicit list `train=a.jsonl,validation=b.jsonl,...`. Output: `<output_dir>/sft` and
 `<output_dir>/preference` (`save_to_disk`), `<output_dir>/dataset_visuals/*.png` and
 `<output_dir>/stats.json`. The output folder appears only once complete. No hub call happens unless
 a source is a hub name or `--push_to_hub` is given.
@@ -40,6 +43,8 @@ from transformers import AutoTokenizer  # noqa: E402
 CNNDM_BATCHES = ("batch0_cnndm", "cnndm0", "cnndm2")
 SFT_SPLITS = ("train", "validation", "test")
 PREFERENCE_SOURCE_SPLITS = ("train", "validation")
+# the hub's automatic parquet conversion of a dataset repo, one folder per config and split
+PARQUET_EXPORT_REVISION = "refs/convert/parquet"
 
 
 @dataclass
@@ -64,7 +69,8 @@ class Args:
     sft_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
     """hub name, local folder with train/validation/test files, or `split=file,...`"""
     preference_dataset: str = "openai/summarize_from_feedback"
-    """hub name (config `preference_config`), local folder with train/validation files, or `split=file,...`"""
+    """hub name (read from its parquet export, folder `preference_config`), local folder with
+    train/validation files or with a copy of that export, or `split=file,...`"""
     preference_config: str = "comparisons"
     output_dir: str = "data/tldr"
     overwrite: bool = False
@@ -151,17 +157,36 @@ def is_local(source: str) -> bool:
     return "=" in source or os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") > 1
 
 
+def load_parquet_export(path: str, config: str, splits: tuple, revision: Optional[str], where: str) -> dict:
+    """Split name -> RawSplit from the files `<config>/<split>/*.parquet` of `path`: a hub dataset at
+    its parquet-export revision, or a local folder laid out like it (one call for both)."""
+    from datasets import load_dataset
+
+    dataset = load_dataset(path, data_files={split: f"{config}/{split}/*.parquet" for split in splits},
+                           revision=revision)
+    return {split: RawSplit(f"{where}[{split}]", list(dataset[split])) for split in splits}
+
+
 def load_raw(source: str, splits: tuple, hub_config: Optional[str] = None) -> dict:
-    """Split name -> RawSplit, from a hub name, a local folder, or `split=file,...`."""
-    if not is_local(source):
-        from datasets import load_dataset  # a hub source: the only place this module reads the hub
+    """Split name -> RawSplit, from a hub name, a local folder, or `split=file,...`. With a
+    `hub_config` (the preference data), a hub source is read from its parquet export and a local
+    folder may be a copy of that export (`<folder>/<config>/<split>/*.parquet`)."""
+    if not is_local(source):  # a hub source: the only reads of the hub in this module
+        if hub_config:
+            # openai/summarize_from_feedback keeps a loading script on its main branch, which
+            # datasets >= 4 refuses to run; the hub's parquet export holds the same rows
+            return load_parquet_export(source, hub_config, splits, PARQUET_EXPORT_REVISION,
+                                       f"hub:{source}@{PARQUET_EXPORT_REVISION}/{hub_config}")
+        from datasets import load_dataset
 
         return {
-            split: RawSplit(f"hub:{source}[{split}]", list(load_dataset(source, hub_config, split=split)))
+            split: RawSplit(f"hub:{source}[{split}]", list(load_dataset(source, split=split)))
             for split in splits
         }
     if "=" in source:
         files = dict(item.split("=", 1) for item in source.split(","))
+    elif hub_config and os.path.isdir(os.path.join(source, hub_config)):
+        return load_parquet_export(source, hub_config, splits, None, os.path.join(source, hub_config))
     elif os.path.isdir(source):
         files = {}
         for split in splits:
@@ -213,7 +238,7 @@ def validate_sft_row(row) -> None:
 def validate_preference_row(row) -> None:
     if not isinstance(row, dict):
         raise FieldError("<row>", f"expected an object, got {type(row).__name__}")
-    _require(row, "info.id", str)
+    _require(row, "info.id", str, nullable=True)  # (the upstream loader fills a missing id with null)
     batch = _require(row, "batch", str)
     if batch in CNNDM_BATCHES:
         _require(row, "info.article", str, nonempty=True)
@@ -249,18 +274,21 @@ def validate_preference_row(row) -> None:
 def smart_truncate(fields: dict, params: TaskParams, tokenizer) -> tuple:
     """OpenAI's smart truncation: while the formatted query exceeds `params.length` tokens, cut the
     truncate field at its last `truncate_text` (dropping it and all after), or drop its last
-    character when none is left. Returns (query tokens, number of cuts)."""
+    character when none is left. As in the paper, only a field that is already empty while the query
+    is still too long is an error: a field cut down to whitespace (or nothing) whose query then fits
+    is kept. Returns (query tokens, number of cuts)."""
     fields = dict(fields)
     key = params.truncate_field
     cuts = 0
     tokens = tokenizer.encode(params.format_str.format(**fields))
     while len(tokens) > params.length:
         text = fields[key]
+        if not text:
+            raise FieldError(key, f"became empty during smart truncation, and the query is still "
+                                  f"{len(tokens)} tokens > length {params.length}")
         index = text.rfind(params.truncate_text)
         fields[key] = text[:index] if index != -1 else text[:-1]
         cuts += 1
-        if not fields[key].strip():
-            raise FieldError(key, f"became empty during smart truncation to {params.length} tokens")
         tokens = tokenizer.encode(params.format_str.format(**fields))
     return tokens, cuts
 

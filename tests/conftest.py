@@ -103,3 +103,20 @@ def run_in_process(main, args, workdir) -> None:
         # accelerate keeps process-wide singletons; the next in-process run starts clean
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """The sequence length of every GPT-NeoX attention call from here on. Activation checkpointing
+    shows up as one extra call per layer and training forward (the backward's recompute), and a
+    generation that keeps its KV cache as calls of length 1 (one new token each)."""
+    from transformers.models.gpt_neox import modeling_gpt_neox
+
+    lengths, original = [], modeling_gpt_neox.GPTNeoXAttention.forward
+
+    def counted(self, hidden_states, *args, **kwargs):
+        lengths.append(hidden_states.shape[1])
+        return original(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_gpt_neox.GPTNeoXAttention, "forward", counted)
+    return lengths

@@ -1,6 +1,7 @@
 """hello_world.sh's wiring, with every program it starts replaced by a recorder: which stages run
 with which flags, the batch arithmetic of the memory knobs, skipping finished stages. (The real
-tiny run is `./hello_world.sh` itself; this checks the GPU path that cannot run here.)"""
+tiny run is `./hello_world.sh` itself; this checks the GPU path that cannot run here.)
+TEST_BASH=/path/to/bash runs the script with another bash, e.g. a 4.2 build (tests/test_shell_scripts.py)."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 from summarize_from_feedback_details import ppo_left_padding, reward, sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASH = os.environ.get("TEST_BASH", "bash")
 # stands in for .venv/bin/python, .venv/bin/accelerate and make: records its argv and, like the
 # stages, writes <output_dir>/model.safetensors
 RECORDER = """#!/usr/bin/env python3
@@ -47,7 +49,7 @@ def run(checkout, gpus, *flags, **env):
     record = checkout / "record.jsonl"
     record.unlink(missing_ok=True)
     environment = {"PATH": f"{checkout / 'bin'}:/usr/bin:/bin", "RECORD": str(record), "HOME": str(checkout), **env}
-    result = subprocess.run(["bash", "hello_world.sh", *flags], cwd=checkout, env=environment, capture_output=True,
+    result = subprocess.run([BASH, "hello_world.sh", *flags], cwd=checkout, env=environment, capture_output=True,
                             text=True, timeout=60)
     calls = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
     return result, calls
@@ -106,6 +108,26 @@ def test_real_pipeline_knobs_and_errors(checkout):
     assert not stage_calls(calls, ".py")
     result, _ = run(checkout, 0, MODEL="EleutherAI/pythia-1b-deduped")
     assert result.returncode == 2 and "needs GPUs" in result.stderr
+
+
+def test_gpu_count_honours_cuda_visible_devices(checkout):
+    def processes(**env):
+        shutil.rmtree(checkout / "models", ignore_errors=True)
+        result, calls = run(checkout, 4, MODEL="EleutherAI/pythia-1b-deduped", **env)
+        assert result.returncode == 0, result.stderr
+        counts = {flag(call, "--num_processes") for call in calls if call[0] == "accelerate"}
+        assert len(counts) == 1 and len(stage_calls(calls, ".py")) >= 3
+        return int(counts.pop())
+
+    # nvidia-smi -L lists 4 GPUs: all of them unless CUDA_VISIBLE_DEVICES narrows them down
+    assert processes() == 4
+    assert processes(CUDA_VISIBLE_DEVICES="0,1") == 2
+    assert processes(CUDA_VISIBLE_DEVICES="GPU-3f2a,1,") == 2
+    assert processes(CUDA_VISIBLE_DEVICES="0,1", NUM_GPUS="1") == 1  # NUM_GPUS still wins
+    # set but empty, or -1 (CUDA stops at the first invalid entry): no GPU at all
+    for hidden in ("", "-1"):
+        result, calls = run(checkout, 4, MODEL="EleutherAI/pythia-1b-deduped", CUDA_VISIBLE_DEVICES=hidden)
+        assert result.returncode == 2 and "needs GPUs" in result.stderr and not stage_calls(calls, ".py")
 
 
 def test_finished_stages_are_skipped_and_force_reruns(checkout):

@@ -74,9 +74,10 @@ def test_truncation_after_eos_known_answer_and_same_as_sft():
     assert torch.equal(ppo.first_true_indices(random == 3), sft.first_true_indices(random == 3))
 
 
-@pytest.mark.parametrize("name", ["epoch_permutations", "first_true_indices", "truncate_response", "forward",
-                                  "generation_config", "without_stop_ids", "generate", "looks_local", "load_tokenizer",
-                                  "load_split_dataset", "disable_dropout", "Logger", "push_to_hub"])
+@pytest.mark.parametrize("name", ["clipping_norm", "epoch_permutations", "first_true_indices", "truncate_response",
+                                  "forward", "generation_config", "without_stop_ids", "generate", "looks_local",
+                                  "load_tokenizer", "load_split_dataset", "disable_dropout",
+                                  "enable_gradient_checkpointing", "Logger", "push_to_hub"])
 def test_copies_of_sft_helpers_are_identical(name):
     assert inspect.getsource(getattr(ppo, name)) == inspect.getsource(getattr(sft, name))
 
@@ -506,7 +507,8 @@ def split_runs(tiny_datasets, checkpoints, tmp_path_factory):
 
     Adam's first step is lr * g / (|g| + eps): with the default eps it is nearly sign(g), blind to a
     wrongly scaled loss. With eps 1 the update is ~ lr * g, so a normalisation that depended on the
-    split would move the weights differently (gradient clipping is off for the same reason)."""
+    split would move the weights differently (gradient clipping stays off, the default, for the same
+    reason)."""
     workdir = str(tmp_path_factory.mktemp("ppo_split"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -518,7 +520,7 @@ def split_runs(tiny_datasets, checkpoints, tmp_path_factory):
             args = tiny_args(tiny_datasets, checkpoints, workdir, name, total_episodes=16, nminibatches=2,
                              local_micro_batch_size=micro, gradient_accumulation_steps=4 // micro,
                              local_rollout_forward_batch_size=8, local_eval_batch_size=4, lr=0.05, eps=1.0,
-                             max_grad_norm=1e9, print_sample_output_freq=1, ppo_loss_normalization=normalization)
+                             print_sample_output_freq=1, ppo_loss_normalization=normalization)
             runs[name] = (run_ppo(args, workdir), load_file(os.path.join(workdir, name, "model.safetensors")))
     finally:
         torch.set_num_threads(threads)
@@ -621,12 +623,56 @@ def test_deepspeed_matches_one_process(one_process, offload):
     args = ppo.Args(**{**vars(two_args), "run_name": name, "output_dir": os.path.join(workdir, name),
                        "deepspeed": True, "offload": offload})
     stdout, ds = launch(args, workdir, 2, config=DS_CONFIG)
+    assert "DeepSpeed engine: ZeRO-2, gradient_clipping 0.0" in stdout  # off, as without DeepSpeed
     if offload:
-        assert stdout.count("DeepSpeed ZeRO-3 engine, parameter offload cpu, 0 of") == 2, stdout[-2000:]
+        assert stdout.count("DeepSpeed ZeRO-3 engine, torch.float32, parameter offload cpu, 0 of") == 2, stdout[-2000:]
     else:
-        assert stdout.count("DeepSpeed ZeRO-0 engine, parameter offload none") == 2, stdout[-2000:]
+        assert stdout.count("DeepSpeed ZeRO-0 engine, torch.float32, parameter offload none") == 2, stdout[-2000:]
     assert_same_metrics(metrics, ds, RUN_REL, RUN_ABS)
     assert_same_params(params, load_file(os.path.join(workdir, name, "model.safetensors")), rtol=1e-4, atol=1e-6)
+
+
+def test_frozen_models_take_the_mixed_precision_dtype():
+    assert ppo.frozen_dtype("bf16") == torch.bfloat16 and ppo.frozen_dtype("fp16") == torch.float16
+    assert ppo.frozen_dtype("no") == torch.float32
+
+
+def test_gradient_checkpointing_changes_nothing(tiny_datasets, checkpoints, tmp_path, one_thread, attention_calls):
+    """One update, 4 epochs of 2 micro-batches: the same metrics and weights, bit for bit, and the
+    backward recomputed every layer of the policy and the critic (2 + 2) in each of the 8 training
+    forwards. (Checkpointed layers in train mode drop generation's KV cache while generate() still
+    feeds one token per step: rollouts in train mode would sample from a model that sees one token.)"""
+    workdir, runs = str(tmp_path), {}
+    for name, checkpointing in (("plain", False), ("checkpointed", True)):
+        start = len(attention_calls)
+        args = tiny_args(tiny_datasets, checkpoints, workdir, name, total_episodes=8, local_micro_batch_size=4,
+                         gradient_accumulation_steps=2, local_rollout_forward_batch_size=8, local_eval_batch_size=4,
+                         lr=1e-3, gradient_checkpointing=checkpointing)
+        metrics = run_ppo(args, workdir)
+        runs[name] = (metrics, load_file(os.path.join(workdir, name, "model.safetensors")), attention_calls[start:])
+    (plain, p_plain, calls_plain), (checkpointed, p_checkpointed, calls_checkpointed) = runs.values()
+    assert len(calls_checkpointed) == len(calls_plain) + 4 * 2 * (2 + 2)
+    assert_same_metrics(plain, checkpointed, rel=0, abs_=0)
+    assert_same_params(p_plain, p_checkpointed, rtol=0, atol=0)
+
+
+def test_bf16_loads_the_frozen_models_in_bf16_and_keeps_the_first_ratio_at_one(tiny_datasets, checkpoints, tmp_path,
+                                                                             one_thread, monkeypatch, capsys):
+    """Mixed precision bf16 (CPU autocast here; `make test-gpu` runs it on a GPU under DeepSpeed):
+    reference and reward model are loaded in bf16, the trained ones stay fp32 masters, and
+    generation and training logprobs still agree on the first minibatch."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    args = tiny_args(tiny_datasets, checkpoints, str(tmp_path), "bf16", total_episodes=16, local_micro_batch_size=8,
+                     gradient_accumulation_steps=1, local_rollout_forward_batch_size=8, local_eval_batch_size=4)
+    metrics = run_ppo(args, str(tmp_path))
+    out = capsys.readouterr().out
+    assert "reference policy: plain module on cpu, torch.bfloat16; reward model: plain module on cpu, torch.bfloat16" \
+        in " ".join(out.split())
+    assert all(math.isfinite(v) for m in metrics for v in m.values())
+    assert metrics[0]["ppo/val/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-2)
+    assert metrics[0]["ppo/policy/approxkl_first_minibatch"] < 1e-3
+    saved = load_file(os.path.join(str(tmp_path), "bf16", "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.float32}
 
 
 def test_clear_errors(tiny_datasets, checkpoints, tmp_path):

@@ -183,8 +183,8 @@ def test_micro_batch_split_gives_the_same_update(tiny_datasets, models_dir, tmp_
     to a wrongly scaled loss, and it magnifies float noise in near-zero gradients by up to 1/eps. With
     eps 1 the update is ~ lr * g, so a loss normalised per micro-batch instead of per global batch
     would move the weights 4x more in one run (differences ~1e-3, far above the tolerance). Gradient
-    clipping is off for the same reason (it would rescale a wrong gradient back to norm 1)."""
-    common = dict(total_episodes=4, local_eval_batch_size=128, lr=0.1, eps=1.0, max_grad_norm=1e9)
+    clipping stays off (the default) for the same reason: it would rescale a wrong gradient."""
+    common = dict(total_episodes=4, local_eval_batch_size=128, lr=0.1, eps=1.0)
     m1 = run_reward(tiny_datasets, models_dir, str(tmp_path), "micro1", local_micro_batch_size=1,
                     gradient_accumulation_steps=4, **common)
     m4 = run_reward(tiny_datasets, models_dir, str(tmp_path), "micro4", local_micro_batch_size=4,
@@ -199,6 +199,41 @@ def test_micro_batch_split_gives_the_same_update(tiny_datasets, models_dir, tmp_
     sft = load_file(os.path.join(sft_model(models_dir), "model.safetensors"))
     key = "gpt_neox.layers.0.attention.dense.weight"
     assert (p1[key] - sft[key]).abs().max() > 1e-4
+
+
+def saved_params(workdir, name):
+    return load_file(os.path.join(workdir, name, "model.safetensors"))
+
+
+def test_max_grad_norm_unset_zero_or_negative_means_no_clipping(tiny_datasets, models_dir, tmp_path):
+    """Adam eps 1 (update ~ lr * g, see above): unset, 0 and -1 give exactly the unclipped update of
+    a norm that never binds (1e9), and clipping at 0.01 changes it. (torch's clip_grad_norm_ at 0
+    would zero every gradient.)"""
+    common = dict(total_episodes=4, local_micro_batch_size=4, gradient_accumulation_steps=1, lr=0.1, eps=1.0,
+                  local_eval_batch_size=128)
+    workdir = str(tmp_path)
+    for name, norm in (("unset", None), ("zero", 0.0), ("negative", -1.0), ("huge", 1e9), ("clipped", 0.01)):
+        run_reward(tiny_datasets, models_dir, workdir, name, max_grad_norm=norm, **common)
+    unclipped = saved_params(workdir, "huge")
+    for name in ("unset", "zero", "negative"):
+        assert_same_params(saved_params(workdir, name), unclipped, rtol=0, atol=0)
+    key = "gpt_neox.layers.0.attention.dense.weight"
+    sft = load_file(os.path.join(sft_model(models_dir), "model.safetensors"))
+    moved = (unclipped[key] - sft[key]).abs().max()
+    assert moved > 1e-4 and (saved_params(workdir, "clipped")[key] - sft[key]).abs().max() < moved / 2
+
+
+def test_gradient_checkpointing_changes_nothing(tiny_datasets, models_dir, tmp_path, attention_calls):
+    """2 updates of 2 micro-batches of 2 pairs: the same metrics and weights, bit for bit; the
+    backward recomputed each layer of each training forward (2 layers x 4 micro-batches more calls)."""
+    common = dict(total_episodes=8, local_micro_batch_size=2, gradient_accumulation_steps=2, local_eval_batch_size=128)
+    workdir = str(tmp_path)
+    plain = run_reward(tiny_datasets, models_dir, workdir, "plain", **common)
+    calls_plain = len(attention_calls)
+    checkpointed = run_reward(tiny_datasets, models_dir, workdir, "checkpointed", gradient_checkpointing=True, **common)
+    assert len(attention_calls) - calls_plain == calls_plain + 2 * 4
+    assert {k: v for k, v in plain.items() if "eps" not in k} == {k: v for k, v in checkpointed.items() if "eps" not in k}
+    assert_same_params(saved_params(workdir, "plain"), saved_params(workdir, "checkpointed"), rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
@@ -356,8 +391,7 @@ def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(tiny_
     Adam eps 1 and no clipping make the update ~ lr * gradient (see the micro-batch test), so a
     gradient averaged wrongly over ranks would show; the tolerances cover float summation order."""
     n = len(load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"])
-    common = ("--num_train_epochs", "2", "--local_micro_batch_size", "5", "--lr", "0.05", "--eps", "1",
-              "--max_grad_norm", "1e9")
+    common = ("--num_train_epochs", "2", "--local_micro_batch_size", "5", "--lr", "0.05", "--eps", "1")
     _, one, p_one, pairs_one = launch_reward(tiny_datasets, models_dir, tmp_path, "one",
                                              "--gradient_accumulation_steps", "6", *common)
     out, two, p_two, pairs_two = launch_reward(tiny_datasets, models_dir, tmp_path, "two",
@@ -396,10 +430,10 @@ def test_deepspeed_zero2_matches_ddp(tiny_datasets, models_dir, tmp_path, num_pr
               "--max_grad_norm", "0.1")
     _, plain, p_plain, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "plain", *common,
                                          "--gradient_accumulation_steps", "4")
-    _, ds, p_ds, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "ds", "--deepspeed", *common,
-                                   "--gradient_accumulation_steps", str(4 // num_processes),
-                                   launcher=accelerate_launcher(num_processes, DS_CONFIG))
-    assert len(ds) == 4
+    out, ds, p_ds, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "ds", "--deepspeed", *common,
+                                     "--gradient_accumulation_steps", str(4 // num_processes),
+                                     launcher=accelerate_launcher(num_processes, DS_CONFIG))
+    assert "DeepSpeed engine: ZeRO-2, gradient_clipping 0.1" in out and len(ds) == 4
     assert curve(plain) == pytest.approx(curve(ds), rel=1e-5)
     assert_same_params(p_plain, p_ds)
 
@@ -429,8 +463,9 @@ def test_deepspeed_zero3_matches_ddp_and_saves_the_normalised_model(tiny_dataset
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["derive_batch_sizes", "epoch_permutations", "looks_local", "load_tokenizer",
-                                  "load_split_dataset", "disable_dropout", "Logger", "push_to_hub"])
+@pytest.mark.parametrize("name", ["derive_batch_sizes", "clipping_norm", "epoch_permutations", "looks_local",
+                                  "load_tokenizer", "load_split_dataset", "disable_dropout",
+                                  "enable_gradient_checkpointing", "Logger", "push_to_hub"])
 def test_copies_of_sft_helpers_are_identical(name):
     assert inspect.getsource(getattr(reward, name)) == inspect.getsource(getattr(sft, name))
 

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
-from conftest import accelerate_launcher, run_script
+from conftest import accelerate_launcher, run_in_process, run_script
 from summarize_from_feedback_details import sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +61,19 @@ def test_loss_normalisation_is_additive_over_micro_batches():
             parts = sum(sft.normalized_loss(sums[i:i + micro], counts[i:i + micro], normalization, normalizer)
                         for i in range(0, 8, micro))
             assert torch.allclose(parts, whole, atol=1e-6)
+
+
+def test_clipping_norm_unset_or_not_positive_means_off():
+    assert [sft.clipping_norm(x) for x in (None, 0.0, -1.0, 0.5, 1e9)] == [None, None, None, 0.5, 1e9]
+    assert sft.Args().max_grad_norm is None  # the paper's runs did not clip (DESIGN section 4)
+
+
+def test_forward_builds_no_kv_cache():
+    model = tiny_lm("gpt_neox")
+    ids = torch.tensor([[1, 1, 5, 6, 7]])
+    assert model.config.use_cache  # left to the model, it would return one
+    with torch.no_grad():
+        assert sft.forward(model, ids, 1).past_key_values is None
 
 
 def test_derive_batch_sizes():
@@ -169,6 +182,40 @@ def test_micro_batch_split_gives_the_same_update(tiny_datasets, tokenizer_dir, t
     assert any(not torch.equal(p1[k], base[k]) for k in p1)
 
 
+def sft_in_process(tiny_datasets, tokenizer_dir, workdir, name, **overrides):
+    """sft.main in this process: (metrics, saved weights)."""
+    args = sft.Args(base_model=tokenizer_dir, query_dataset=os.path.join(tiny_datasets[0], "sft"), response_length=32,
+                    lr=3e-3, seed=3, run_name=name, output_dir=os.path.join(workdir, name), **overrides)
+    run_in_process(sft.main, args, workdir)
+    with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    return metrics, load_file(os.path.join(workdir, name, "model.safetensors"))
+
+
+def test_gradient_checkpointing_changes_nothing(tiny_datasets, tokenizer_dir, tmp_path, attention_calls):
+    """2 updates of 2 micro-batches: the same losses and weights, bit for bit; the backward really
+    recomputed each layer of each training forward (2 layers x 4 micro-batches extra attention calls)."""
+    common = dict(total_episodes=16, local_micro_batch_size=4, gradient_accumulation_steps=2)
+    plain, p_plain = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "plain", **common)
+    calls_plain = len(attention_calls)
+    checkpointed, p_checkpointed = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "checkpointed",
+                                                  gradient_checkpointing=True, **common)
+    assert len(attention_calls) - calls_plain == calls_plain + 2 * 4
+    assert losses(plain) == losses(checkpointed) and len(losses(plain)) == 2
+    assert_same_params(p_plain, p_checkpointed, rtol=0, atol=0)
+
+
+def test_max_grad_norm_zero_means_no_clipping(tiny_datasets, tokenizer_dir, tmp_path):
+    """0 is "off" (torch's clip_grad_norm_ at 0 would zero every gradient, so without weight decay
+    nothing would move), and off is the default."""
+    common = dict(total_episodes=8, local_micro_batch_size=4, gradient_accumulation_steps=2, weight_decay=0.0)
+    _, p_default = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "default", **common)
+    _, p_zero = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "zero", max_grad_norm=0.0, **common)
+    assert_same_params(p_default, p_zero, rtol=0, atol=0)
+    base = load_file(os.path.join(tokenizer_dir, "model.safetensors"))
+    assert all(not torch.equal(p_zero[k], base[k]) for k in p_zero if "layers.0.attention" in k)
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_process(tiny_datasets, tokenizer_dir, tmp_path):
     """Global batch 8 for 3 updates: one process x 8 == two processes x 4 (gloo, DDP)."""
@@ -191,8 +238,9 @@ def test_deepspeed_matches_ddp(tiny_datasets, tokenizer_dir, tmp_path, config, n
     common = ("--total_episodes", "16", "--local_micro_batch_size", "2", "--run_eval", "--local_eval_batch_size", "40")
     _, plain, p_plain = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "plain", *common,
                                 "--gradient_accumulation_steps", "4")
-    _, ds, p_ds = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "ds", "--deepspeed", *common,
+    ds_out, ds, p_ds = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "ds", "--deepspeed", *common,
                           "--gradient_accumulation_steps", str(4 // num_processes), launcher=accelerate_launcher(num_processes, config))
+    assert "DeepSpeed engine: ZeRO-" in ds_out.stdout and "gradient_clipping 0.0" in ds_out.stdout  # off, not 1.0
     assert losses(plain) == pytest.approx(losses(ds), rel=1e-5)
     assert_same_params(p_plain, p_ds, rtol=1e-4, atol=1e-6)
     evals = [{k: v for m in run for k, v in m.items() if k.startswith("validation/")} for run in (plain, ds)]

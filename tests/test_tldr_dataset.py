@@ -52,12 +52,26 @@ def test_smart_truncation_without_newline_drops_characters():
     assert "".join(map(chr, tokens)) == "abcde"
 
 
-def test_smart_truncation_empty_field_is_an_error():
+def test_smart_truncation_keeps_a_field_cut_to_nothing_when_the_query_then_fits():
+    """The paper's rule: a post cut down to whitespace, or to nothing, is kept once the query fits."""
+    tokens, cuts = td.smart_truncate({"post": "  \n" + "x" * 20, "title": "ab"}, params(6, "{title}:{post}"),
+                                     CharTokenizer())
+    assert "".join(map(chr, tokens)) == "ab:  " and cuts == 1
+    tokens, cuts = td.smart_truncate({"post": "\nabcdefghijkl"}, params(5), CharTokenizer())
+    assert tokens == [] and cuts == 1
+
+
+def test_smart_truncation_empty_field_with_the_query_still_too_long_is_an_error(tokenizer, tmp_path):
     with pytest.raises(td.FieldError) as e:
         td.smart_truncate({"post": "abc", "title": "x" * 20}, params(10, "{title}{post}"), CharTokenizer())
-    assert e.value.column == "post" and "empty" in str(e.value)
-    with pytest.raises(td.FieldError):
-        td.smart_truncate({"post": "\nabcdefghijkl"}, params(5), CharTokenizer())
+    assert e.value.column == "post" and "empty" in str(e.value) and "20 tokens > length 10" in str(e.value)
+    # through a whole split: the message names the file, the row and the column
+    row = {"id": "a", "subreddit": "relationships", "title": "help " * 600, "post": "short post", "summary": "s"}
+    ok = dict(row, title="help")
+    job = td._RowJob("sft", tokenizer, td.Args())
+    with pytest.raises(td.DataError, match=r"^x/train.jsonl: row 1: column 'post': became empty during smart "
+                                           r"truncation, and the query is still \d+ tokens > length 512$"):
+        td.process_split(td.RawSplit("x/train.jsonl", [ok, row]), job, 1, "sft train")
 
 
 def test_smart_truncation_with_the_real_tokenizer(tokenizer):
@@ -251,6 +265,14 @@ def test_schema_errors_name_file_row_and_column(raw_dir, tokenizer_dir, tmp_path
     assert sorted(os.listdir(tmp_path)) == ["raw"]  # no output, not even a partial one
 
 
+def test_a_null_comparison_id_is_accepted_a_missing_one_is_not():
+    """The upstream loading script fills a missing `info.id` with null: such a row is usable."""
+    row = td.read_rows(os.path.join(FIXTURES, "hub_schema", "comparisons", "train.jsonl")).rows[0]
+    td.validate_preference_row({**row, "info": {**row["info"], "id": None}})
+    with pytest.raises(td.FieldError, match="missing column"):
+        td.validate_preference_row({**row, "info": {k: v for k, v in row["info"].items() if k != "id"}})
+
+
 def test_missing_file_and_bad_json(raw_dir, tokenizer_dir, tmp_path):
     raw = copy_raw(raw_dir, tmp_path)
     os.remove(os.path.join(raw, "tldr_sft", "test.jsonl"))
@@ -373,6 +395,79 @@ def test_hub_schema_fixtures_take_the_same_code_path(tokenizer_dir, tmp_path, mo
     assert sft["test"][1]["query"].startswith("SUBREDDIT: r/legaladvice\n\nTITLE: [CA] Landlord kept")
     assert all(len(t) == 512 for t in sft["validation"]["query_token"])
     assert all(len(t) == 672 for t in sft["validation"]["query_reference_response_token"])
+
+
+def write_parquet_export(root: str) -> str:
+    """The hub_schema comparison fixtures as parquet files laid out like the hub's parquet export
+    of openai/summarize_from_feedback (`comparisons/<split>/0000.parquet`), with the nested
+    features of its loading script (info and extra structs, summaries a list of structs)."""
+    from datasets import Dataset, Features, List, Value
+
+    features = Features({
+        "info": {k: Value("string") for k in ("id", "post", "title", "subreddit", "site", "article")},
+        "summaries": List({"text": Value("string"), "policy": Value("string"), "note": Value("string")}),
+        "choice": Value("int32"), "worker": Value("string"), "batch": Value("string"), "split": Value("string"),
+        "extra": {"confidence": Value("int32")},
+    })
+    for split in td.PREFERENCE_SOURCE_SPLITS:
+        rows = td.read_rows(os.path.join(FIXTURES, "hub_schema", "comparisons", f"{split}.jsonl")).rows
+        rows = [{**row, "info": {k: row["info"].get(k) for k in features["info"]},
+                 "summaries": [{k: s.get(k) for k in ("text", "policy", "note")} for s in row["summaries"]]}
+                for row in rows]
+        os.makedirs(os.path.join(root, "comparisons", split))
+        Dataset.from_list(rows, features=features).to_parquet(os.path.join(root, "comparisons", split, "0000.parquet"))
+    return root
+
+
+def test_hub_preference_source_is_read_from_its_parquet_export(tmp_path, monkeypatch):
+    """The exact call made for the default hub source (the hub stubbed: the call is served from a
+    local folder laid out like the export branch), and the rows it gives."""
+    import datasets
+
+    export = write_parquet_export(str(tmp_path / "export"))
+    real_load_dataset, calls = datasets.load_dataset, []
+
+    def hub(path, *args, **kwargs):
+        calls.append((path, args, kwargs))
+        assert path == "openai/summarize_from_feedback"
+        return real_load_dataset(export, *args, **{**kwargs, "revision": None})
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    raw = td.load_raw(td.Args().preference_dataset, td.PREFERENCE_SOURCE_SPLITS, td.Args().preference_config)
+    assert calls == [("openai/summarize_from_feedback", (), {
+        "data_files": {"train": "comparisons/train/*.parquet", "validation": "comparisons/validation/*.parquet"},
+        "revision": "refs/convert/parquet"})]
+    expected = {s: td.read_rows(os.path.join(FIXTURES, "hub_schema", "comparisons", f"{s}.jsonl")).rows
+                for s in td.PREFERENCE_SOURCE_SPLITS}
+    for split in td.PREFERENCE_SOURCE_SPLITS:
+        assert raw[split].source == f"hub:openai/summarize_from_feedback@refs/convert/parquet/comparisons[{split}]"
+        assert len(raw[split].rows) == len(expected[split])
+        for got, want in zip(raw[split].rows, expected[split]):
+            assert got["summaries"] == [{k: s.get(k) for k in ("text", "policy", "note")} for s in want["summaries"]]
+            assert (got["choice"], got["batch"], got["extra"]) == (want["choice"], want["batch"], want["extra"])
+            assert got["info"] == {k: want["info"].get(k) for k in got["info"]}
+
+
+def test_local_copy_of_the_parquet_export_builds_the_datasets(tokenizer_dir, tmp_path, monkeypatch):
+    """A folder laid out like the export branch, through the same load_parquet_export call, without
+    the hub; the result equals the build from the same rows as JSON lines."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("the hub was contacted"))
+    export = write_parquet_export(str(tmp_path / "export"))
+    built = {}
+    for name, source in (("parquet", export), ("jsonl", os.path.join(FIXTURES, "hub_schema", "comparisons"))):
+        args = td.Args(base_model=tokenizer_dir, sft_dataset=os.path.join(FIXTURES, "hub_schema", "tldr_sft"),
+                       preference_dataset=source, output_dir=str(tmp_path / name))
+        args.tldr_params.max_sft_response_length = args.tldr_params.max_rm_response_length = 160
+        args.tldr_params.max_sft_query_response_length = args.tldr_params.max_rm_query_response_length = 672
+        args.cnndm_params.max_rm_response_length, args.cnndm_params.max_rm_query_response_length = 160, 2079
+        built[name] = td.run(args)
+        built[name].pop("args")
+    assert built["parquet"] == built["jsonl"]
+    a, b = (load_from_disk(str(tmp_path / name / "preference")) for name in ("parquet", "jsonl"))
+    for split in a:
+        assert a[split].to_list() == b[split].to_list()
 
 
 def test_cli_runs_and_reports_bad_input(raw_dir, tokenizer_dir, tmp_path):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end test of sbatches/: a throwaway one-node Slurm cluster on this machine runs the TINY=1
 # chain sft.sbatch -> reward.sbatch -> ppo_left_padding.sbatch (sbatch --parsable,
-# --dependency=afterany) and checks that every array task COMPLETED and saved its model.
+# --dependency=afterany) and checks that every array task COMPLETED, was granted all of the node's
+# memory (--mem=0) and saved its model.
 #
 #   make test-slurm                      (or: sudo tests/slurm/test_sbatch_chain.sh)
 #
@@ -85,8 +86,10 @@ runuser -u munge -- munged --socket "$WORK/munge/munge.socket" --key-file "$WORK
 for _ in {1..20}; do [[ -s $WORK/munge/munged.pid ]] && break; sleep 0.5; done
 PIDS+=("$(cat "$WORK/munge/munged.pid")")
 
-# One node = this machine, with the CPUs and memory slurmd detects. Unique job ids per run, so the
-# logs under slurm/logs/ of two runs never collide; finished jobs stay queryable for an hour.
+# One node = this machine, with the CPUs and memory slurmd detects. Memory is a consumable resource
+# (CR_CPU_Memory), as on the GPU clusters, so the files' --mem=0 (all of the node's memory) is
+# granted and checked as there. Unique job ids per run, so the logs under slurm/logs/ of two runs
+# never collide; finished jobs stay queryable for an hour.
 NODE=$(hostname -s)
 read -r CPUS MEM < <(slurmd -C | sed -n 's/.* CPUs=\([0-9]*\) .* RealMemory=\([0-9]*\).*/\1 \2/p')
 export SLURM_CONF=$WORK/etc/slurm.conf
@@ -114,7 +117,7 @@ JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/backfill
 SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
+SelectTypeParameters=CR_CPU_Memory
 ReturnToService=2
 MinJobAge=3600
 FirstJobId=$((($(date +%s) % 100000) * 100 + 1000))
@@ -195,12 +198,19 @@ for id in "${JOBS[@]}"; do
         state=$(sed -n 's/.* JobState=\([^ ]*\) .*/\1/p' <<<"$line")
         exit_code=$(sed -n 's/.* ExitCode=\([^ ]*\) .*/\1/p' <<<"$line")
         out=$(sed -n 's/.* StdOut=\([^ ]*\).*/\1/p' <<<"$line")
-        log "$name ${id}_$task: $state (exit $exit_code), log $out"
+        # --mem=0: the task was granted all of the node's memory (TRES mem=<n>[KMGT], within 1%)
+        mem=$(sed -n 's/.* \(Alloc\)\?TRES=[^ ]*mem=\([0-9.]*[KMGT]\?\).*/\2/p' <<<"$line")
+        log "$name ${id}_$task: $state (exit $exit_code), memory ${mem:-?} of ${MEM}M, log $out"
         if [[ $state != COMPLETED || $exit_code != 0:0 ]]; then
             fail=1
             echo "----- tail of $out" >&2
             tail -n 40 "$out" >&2 || true
         fi
+        awk -v mem="$mem" -v node="$MEM" 'BEGIN {
+                unit = substr(mem, length(mem)); mb = mem + 0
+                mb *= unit == "K" ? 1 / 1024 : unit == "G" ? 1024 : unit == "T" ? 1048576 : 1
+                exit !(mb > 0.99 * node && mb < 1.01 * node) }' ||
+            { echo "${id}_$task was granted ${mem:-no} memory, not the node's ${MEM}M" >&2; fail=1; }
     done < <(scontrol -o show job "$id")
 done
 for m in "${_models[@]}"; do
@@ -213,4 +223,5 @@ for m in "${_models[@]}"; do
 done
 ((fail == 0)) || die "see above; logs in slurm/logs/"
 [[ ${KEEP:-0} == 1 ]] || for id in "${JOBS[@]}"; do rm -f slurm/logs/*_"${id}"_*.out; done
-log "PASS: $NTASKS x 3 array tasks COMPLETED, all models saved, in $((SECONDS - START)) s"
+log "PASS: $NTASKS x 3 array tasks COMPLETED with the node's memory, all models saved, in" \
+    "$((SECONDS - START)) s"
