@@ -44,6 +44,24 @@ class Run:
 REQUIRED_CONFIG = ("exp_name", "base_model", "seed")
 
 
+def check_exp_names(flags: dict) -> list:
+    """The exp_names of `flags` ({"--sft_exp_name": "sft", ...}), each stage's own: a run is given to
+    exactly one stage by its exp_name, so two flags with one value would count its runs twice."""
+    by_value = {}
+    for flag, value in flags.items():
+        by_value.setdefault(value, []).append(flag)
+    shared = {value: names for value, names in by_value.items() if len(names) > 1}
+    if shared:
+        raise ValueError("; ".join(f"{' and '.join(names)} are both {value!r}" for value, names in shared.items())
+                         + ": each stage needs its own exp_name")
+    return list(flags.values())
+
+
+def either(names: list) -> str:
+    """['sft', 'reward', 'dpo'] -> 'sft, reward or dpo', for messages."""
+    return " or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def _check_config(config: dict, where: str) -> None:
     missing = [k for k in REQUIRED_CONFIG if k not in config]
     if missing:

@@ -1,4 +1,4 @@
-"""Win rate of SFT and PPO summaries against the reference summaries, by model size and by length.
+"""Win rate of SFT, PPO and DPO summaries against the reference summaries, by model size and by length.
 
     python eval/rlhf_scaling_plot.py --run_glob 'hello_world_*' --judge gold      # embedded default
     python eval/rlhf_scaling_plot.py --judge chat --chat.model gpt-3.5-turbo-0125 \\
@@ -7,13 +7,18 @@
 Reads each run's eval table (`validation_table` by default: columns query, postprocessed_response,
 reference_responses, optionally scores and reference_scores) from its local run folder
 (`runs/<run_name>/<table>.csv`) or, with --wandb_project, from the wandb table logged under that
-key. Runs are grouped by (exp_name, base_model, seed), the newest run of a key is kept. A judge
-compares every response with its reference (see eval/judges.py): `gold`, the synthetic task's exact
-judge, or `chat`, an LLM behind an OpenAI-compatible API (cached, so a rerun costs nothing).
+key; sft.py, ppo_left_padding.py and dpo.py write these tables with --run_eval. A run's exp_name
+says its policy: --sft_exp_name (SFT), --ppo_exp_name (PPO), --dpo_exp_name (DPO), three different
+names; plots and tables list the policies in that order, and a policy without runs is simply absent
+(without DPO runs the outputs are those of SFT and PPO alone). Runs are grouped by (exp_name,
+base_model, seed), the newest run of a key is kept. A judge compares every response with its
+reference (see eval/judges.py): `gold`, the synthetic task's exact judge, or `chat`, an LLM behind
+an OpenAI-compatible API (cached, so a rerun costs nothing).
 
 Writes to --out:
 - rlhf_scale_plot.{png,pdf,csv,md}: win rate vs model size, each seed and the mean +- std (ddof=1);
-- rlhf_scale_plot_runs.{csv,md}: per run counts (wins, ties, losses, unparsed), win rate, mean length;
+- rlhf_scale_plot_runs.{csv,md}: per run counts (wins, ties, losses, unparsed), win rate, mean length
+  (by policy, then in run order);
 - rlhf_scale_plot_token_length.{png,pdf,csv,md}: each run's win rate vs its mean response length,
   and the win rate in response-length bins (all sizes and seeds of a policy pooled);
 - judged/<run_name>.csv: every row with its verdict (and the chat judge's reply).
@@ -30,8 +35,8 @@ import numpy as np
 import pandas as pd
 import tyro
 
-from common import (console, find_runs, finish_scaling_axes, format_size, model_sizes, parse_size_overrides,
-                    plot_over_sizes, save_figure, seed_summary, shifts, write_table)
+from common import (check_exp_names, console, either, find_runs, finish_scaling_axes, format_size, model_sizes,
+                    parse_size_overrides, plot_over_sizes, save_figure, seed_summary, shifts, write_table)
 from judges import EOS_TEXT, PAD_TEXT, ChatJudge, ChatJudgeConfig, gold_verdicts, win_counts
 
 
@@ -51,6 +56,8 @@ class Args:
     """exp_name of the SFT runs"""
     ppo_exp_name: str = "ppo_left_padding"
     """exp_name of the PPO runs"""
+    dpo_exp_name: str = "dpo"
+    """exp_name of the DPO runs"""
     table: str = "validation_table"
     """eval table to judge: `<table>.csv` in a run folder, the table logged under this key on wandb"""
     num_rows: Optional[int] = None
@@ -68,7 +75,8 @@ class Args:
     """folder for the plots (PNG, PDF) and their tables (CSV, markdown)"""
 
 
-POLICY_COLORS = {"SFT": "tab:blue", "PPO": "tab:orange"}
+# the policies in plot and table order, with their colours (DPO's is also its colour in sft_rm_scale.py)
+POLICY_COLORS = {"SFT": "tab:blue", "PPO": "tab:orange", "DPO": "tab:green"}
 TABLE_COLUMNS = ("query", "postprocessed_response", "reference_responses")
 
 
@@ -114,7 +122,8 @@ def run_tokenizer(run, override: Optional[str], loaded: dict):
 
 
 def per_run_table(judged: pd.DataFrame) -> pd.DataFrame:
-    """One row per run: verdict counts, win rate (ties half, unparsed left out), mean length."""
+    """One row per run: verdict counts, win rate (ties half, unparsed left out), mean length; by
+    policy (SFT, PPO, DPO), the runs of a policy in the order find_runs gave them."""
     rows = []
     for (policy, base_model, model_size, seed, run_name), frame in judged.groupby(
             ["policy", "base_model", "model_size", "seed", "run_name"], sort=False):
@@ -123,7 +132,7 @@ def per_run_table(judged: pd.DataFrame) -> pd.DataFrame:
                      "run_name": run_name, "rows": len(frame), "wins": counts["policy"], "ties": counts["tie"],
                      "losses": counts["reference"], "unparsed": counts["unparsed"], "win_rate": counts["win_rate"],
                      "mean_length": frame["length"].mean()})
-    return pd.DataFrame(rows)
+    return by_policy(pd.DataFrame(rows), [])
 
 
 def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple:
@@ -148,13 +157,15 @@ def length_bin_table(judged: pd.DataFrame, n_bins: int) -> pd.DataFrame:
         rows.append({"policy": policy, "bin": int(b), "length_low": edges[b], "length_high": edges[b + 1],
                      "rows": len(frame), "wins": counts["policy"], "ties": counts["tie"], "losses": counts["reference"],
                      "win_rate": counts["win_rate"], "ci_low": low, "ci_high": high})
-    return by_policy(pd.DataFrame(rows), "bin")
+    return by_policy(pd.DataFrame(rows), ["bin"])
 
 
-def by_policy(frame: pd.DataFrame, then: str) -> pd.DataFrame:
-    """Rows in plot order: SFT before PPO, then by `then`."""
+def by_policy(frame: pd.DataFrame, then: list) -> pd.DataFrame:
+    """Rows in plot order: SFT, PPO, DPO, then by the columns `then`; a stable sort, so rows equal in
+    all of these keep their order."""
     order = frame["policy"].map(list(POLICY_COLORS).index)
-    return frame.assign(_order=order).sort_values(["_order", then]).drop(columns="_order").reset_index(drop=True)
+    return (frame.assign(_order=order).sort_values(["_order", *then], kind="stable").drop(columns="_order")
+            .reset_index(drop=True))
 
 
 def reference_line(ax) -> None:
@@ -162,11 +173,11 @@ def reference_line(ax) -> None:
 
 
 def main(args: Args) -> None:
-    if args.sft_exp_name == args.ppo_exp_name:
-        raise ValueError("--sft_exp_name and --ppo_exp_name must differ")
+    exp_names = check_exp_names({"--sft_exp_name": args.sft_exp_name, "--ppo_exp_name": args.ppo_exp_name,
+                                 "--dpo_exp_name": args.dpo_exp_name})
     if args.length_bins < 1:
         raise ValueError("--length_bins must be at least 1")
-    policies = {args.sft_exp_name: "SFT", args.ppo_exp_name: "PPO"}
+    policies = {args.sft_exp_name: "SFT", args.ppo_exp_name: "PPO", args.dpo_exp_name: "DPO"}
     judge = ChatJudge(args.chat) if args.judge == "chat" else None  # fails now on a missing model or key
     judge_name = "gold judge" if judge is None else f"{args.chat.model} judge"
 
@@ -182,7 +193,7 @@ def main(args: Args) -> None:
                 tables[run.name] = table.head(args.num_rows) if args.num_rows else table
     runs = [run for run in runs if run.name in tables]
     if not runs:
-        raise SystemExit(f"no {' or '.join(policies)} run with a {args.table} table in {where}")
+        raise SystemExit(f"no {either(exp_names)} run with a {args.table} table in {where}")
     sizes = model_sizes(runs, parse_size_overrides(args.model_size))
 
     # 2. every row of every table, judged in one go (one progress bar, one concurrency bound)
@@ -221,7 +232,7 @@ def main(args: Args) -> None:
     summary = seed_summary(per_seed, ["policy", "base_model", "model_size"])
     totals = per_run.groupby(["policy", "base_model"])[["rows", "unparsed"]].sum().reset_index()
     summary = summary.merge(totals, on=["policy", "base_model"], how="left")
-    summary = by_policy(summary, "model_size")
+    summary = by_policy(summary, ["model_size"])
     write_table(summary, args.out, "rlhf_scale_plot")
 
     fig, ax = plt.subplots(figsize=(6, 4.5))

@@ -1,16 +1,21 @@
-"""SFT ROUGE-L and reward-model accuracy against model size, mean +- std over seeds.
+"""SFT ROUGE-L, reward-model accuracy and DPO's implicit-reward accuracy against model size, mean +-
+std over seeds.
 
     python eval/sft_rm_scale.py --run_glob 'hello_world_*'                   # local runs/
     python eval/sft_rm_scale.py --wandb_project tldr_summarize --wandb_entity <entity>
 
-Reads the final value of each metric of every SFT and reward run: the last line that logged it in
+Reads the final value of each metric of every SFT, reward and DPO run (--sft_exp_name,
+--reward_exp_name, --dpo_exp_name; three different names): the last line that logged it in
 `runs/<run_name>/metrics.jsonl`, or the run summary on wandb (same keys). Runs are grouped by
 (exp_name, base_model, seed); the newest run of a key is kept. Writes to --out:
 - rouge_score_plot.{png,pdf,csv,md}: SFT `validation/sft/rouge/rougeL`;
 - rm_scale_plot.{png,pdf,csv,md}: `eval/rm/validation/accuracy` (TL;DR) and
   `eval/rm/validation_cnndm/accuracy` (out of distribution: CNN/DM, or its synthetic stand-in);
 - rm_scale_plot_confidence.{png,pdf,csv,md}: accuracy by labeller confidence
-  (`eval/rm/<split>/accuracy/confidence/<c>`), one line per model size.
+  (`eval/rm/<split>/accuracy/confidence/<c>`), one line per model size;
+- rm_scale_dpo_plot.{png,pdf,csv,md}: one panel per split, the reward model's accuracy next to
+  DPO's, whose implicit rewards beta * (log pi - log ref) dpo.py logs under the same metric names.
+  Only with DPO runs (a warning otherwise); the other plots do not depend on them.
 Each table row is one plotted mean: its seeds, their values, the mean and the std (ddof=1, empty
 with a single seed).
 """
@@ -23,8 +28,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import tyro
 
-from common import (console, find_runs, finish_scaling_axes, model_label, model_sizes, parse_size_overrides,
-                    plot_over_sizes, save_figure, seed_summary, shifts, write_table)
+from common import (check_exp_names, console, either, find_runs, finish_scaling_axes, model_label, model_sizes,
+                    parse_size_overrides, plot_over_sizes, save_figure, seed_summary, shifts, write_table)
 from summarize_from_feedback_details.hello_world_report import last_metrics
 
 
@@ -44,6 +49,8 @@ class Args:
     """exp_name of the SFT runs"""
     reward_exp_name: str = "reward"
     """exp_name of the reward-model runs"""
+    dpo_exp_name: str = "dpo"
+    """exp_name of the DPO runs (implicit-reward accuracy under the reward model's metric names)"""
     model_size: list[str] = field(default_factory=list)
     """BASE_MODEL=PARAMETERS overrides of the x axis, e.g. EleutherAI/pythia-1b-deduped=1e9"""
     out: str = "eval/images"
@@ -53,6 +60,10 @@ class Args:
 ROUGE = "validation/sft/rouge/rougeL"
 RM_SPLITS = {"validation": "TL;DR validation", "validation_cnndm": "CNN/DM (out of distribution)"}
 SPLIT_COLORS = {"validation": "tab:blue", "validation_cnndm": "tab:green"}
+# the series of rm_scale_dpo_plot, in table and legend order: their `method` and legend label;
+# DPO has the colour it has in eval/rlhf_scaling_plot.py
+METHODS = {"reward model": "reward model", "DPO": "DPO implicit reward"}
+METHOD_COLORS = {"reward model": "tab:purple", "DPO": "tab:green"}
 
 
 def final_metrics(run) -> dict:
@@ -87,57 +98,42 @@ def confidence_values(runs: list, metrics: dict, sizes: dict, split: str) -> pd.
     return pd.DataFrame(rows, columns=["split", "base_model", "model_size", "confidence", "seed", "run_name", "value"])
 
 
-def main(args: Args) -> None:
-    exp_names = [args.sft_exp_name, args.reward_exp_name]
-    runs, where = find_runs(args, exp_names)
-    if not runs:
-        raise SystemExit(f"no {' or '.join(exp_names)} run in {where}")
-    sizes = model_sizes(runs, parse_size_overrides(args.model_size))
-    metrics = {run.name: final_metrics(run) for run in runs}
-    sft_runs = [r for r in runs if r.config["exp_name"] == args.sft_exp_name]
-    rm_runs = [r for r in runs if r.config["exp_name"] == args.reward_exp_name]
-    os.makedirs(args.out, exist_ok=True)
+def split_accuracy(runs: list, metrics: dict, sizes: dict) -> pd.DataFrame:
+    """Per run and split of RM_SPLITS, `eval/rm/<split>/accuracy` (per_seed_values plus a split column)."""
+    return pd.concat([per_seed_values(runs, metrics, sizes, f"eval/rm/{split}/accuracy").assign(split=split)
+                      for split in RM_SPLITS])
 
-    # 1. SFT ROUGE-L vs model size
-    rouge = per_seed_values(sft_runs, metrics, sizes, ROUGE)
-    if len(rouge):
-        summary = seed_summary(rouge, ["base_model", "model_size"])
-        write_table(summary, args.out, "rouge_score_plot")
-        fig, ax = plt.subplots(figsize=(6, 4.5))
-        plot_over_sizes(ax, rouge, summary, "SFT", "tab:blue")
-        ax.set_ylabel("ROUGE-L of validation summaries vs references")
-        ax.set_title("SFT ROUGE-L")
-        finish_scaling_axes(ax, rouge["model_size"], rouge["value"])
-        save_figure(fig, args.out, "rouge_score_plot")
-    else:
-        console.print(f"[yellow]warning:[/yellow] no {args.sft_exp_name} run with {ROUGE}: no ROUGE plot")
 
-    # 2. RM accuracy vs model size, in and out of distribution
-    accuracy = pd.concat([per_seed_values(rm_runs, metrics, sizes, f"eval/rm/{split}/accuracy").assign(split=split)
-                          for split in RM_SPLITS])
-    if len(accuracy):
-        summary = seed_summary(accuracy, ["split", "base_model", "model_size"])
-        write_table(summary, args.out, "rm_scale_plot")
-        fig, ax = plt.subplots(figsize=(6, 4.5))
-        plotted = [split for split in RM_SPLITS if split in set(accuracy["split"])]
-        for split, shift in zip(plotted, shifts(len(plotted))):
-            plot_over_sizes(ax, accuracy[accuracy["split"] == split], summary[summary["split"] == split],
-                            RM_SPLITS[split], SPLIT_COLORS[split], shift)
-        ax.set_ylabel("accuracy on preference labels (validation)")
-        ax.set_title("reward model accuracy")
-        finish_scaling_axes(ax, accuracy["model_size"], accuracy["value"])
-        save_figure(fig, args.out, "rm_scale_plot")
-    else:
-        console.print(f"[yellow]warning:[/yellow] no {args.reward_exp_name} run with eval/rm/*/accuracy: no RM plots")
-        return
+def rouge_plot(rouge: pd.DataFrame, out: str) -> None:
+    summary = seed_summary(rouge, ["base_model", "model_size"])
+    write_table(summary, out, "rouge_score_plot")
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    plot_over_sizes(ax, rouge, summary, "SFT", "tab:blue")
+    ax.set_ylabel("ROUGE-L of validation summaries vs references")
+    ax.set_title("SFT ROUGE-L")
+    finish_scaling_axes(ax, rouge["model_size"], rouge["value"])
+    save_figure(fig, out, "rouge_score_plot")
 
-    # 3. RM accuracy by labeller confidence, one line per model size
-    confidence = pd.concat([confidence_values(rm_runs, metrics, sizes, split) for split in RM_SPLITS])
-    if not len(confidence):
-        console.print("[yellow]warning:[/yellow] no eval/rm/*/accuracy/confidence/* metric: no confidence plot")
-        return
+
+def rm_plot(accuracy: pd.DataFrame, out: str) -> None:
+    """Reward-model accuracy vs model size, in and out of distribution, in one axes."""
+    summary = seed_summary(accuracy, ["split", "base_model", "model_size"])
+    write_table(summary, out, "rm_scale_plot")
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    plotted = [split for split in RM_SPLITS if split in set(accuracy["split"])]
+    for split, shift in zip(plotted, shifts(len(plotted))):
+        plot_over_sizes(ax, accuracy[accuracy["split"] == split], summary[summary["split"] == split],
+                        RM_SPLITS[split], SPLIT_COLORS[split], shift)
+    ax.set_ylabel("accuracy on preference labels (validation)")
+    ax.set_title("reward model accuracy")
+    finish_scaling_axes(ax, accuracy["model_size"], accuracy["value"])
+    save_figure(fig, out, "rm_scale_plot")
+
+
+def confidence_plot(confidence: pd.DataFrame, out: str) -> None:
+    """Reward-model accuracy by labeller confidence, one panel per split, one line per model size."""
     summary = seed_summary(confidence, ["split", "base_model", "model_size", "confidence"])
-    write_table(summary, args.out, "rm_scale_plot_confidence")
+    write_table(summary, out, "rm_scale_plot_confidence")
     splits = [split for split in RM_SPLITS if split in set(confidence["split"])]
     fig, axes = plt.subplots(1, len(splits), figsize=(5.5 * len(splits), 4.5), sharey=True, squeeze=False)
     models = sorted(set(zip(summary["model_size"], summary["base_model"])))
@@ -154,7 +150,78 @@ def main(args: Args) -> None:
         ax.legend(title="model (mean ± std over seeds)", loc="best", fontsize=8, title_fontsize=8)
     axes[0][0].set_ylabel("reward model accuracy")
     fig.suptitle("reward model accuracy by labeller confidence")
-    save_figure(fig, args.out, "rm_scale_plot_confidence")
+    save_figure(fig, out, "rm_scale_plot_confidence")
+
+
+def in_order(summary: pd.DataFrame) -> pd.DataFrame:
+    """Rows in plot order: split as in RM_SPLITS, then the reward model before DPO, then size (the
+    alphabetical order of seed_summary would put DPO first)."""
+    order = summary["split"].map(list(RM_SPLITS).index) * len(METHODS) + summary["method"].map(list(METHODS).index)
+    return (summary.assign(_order=order).sort_values(["_order", "model_size", "base_model"]).drop(columns="_order")
+            .reset_index(drop=True))
+
+
+def rm_dpo_plot(rm_accuracy: pd.DataFrame, dpo_accuracy: pd.DataFrame, out: str) -> None:
+    """The reward model's accuracy and DPO's implicit-reward accuracy vs model size, one panel per
+    split that DPO has (a panel of the reward model alone would repeat rm_scale_plot)."""
+    series = [rm_accuracy.assign(method="reward model"), dpo_accuracy.assign(method="DPO")]
+    accuracy = pd.concat([frame for frame in series if len(frame)])  # without reward runs: DPO alone
+    splits = [split for split in RM_SPLITS if split in set(dpo_accuracy["split"])]
+    accuracy = accuracy[accuracy["split"].isin(splits)]
+    summary = in_order(seed_summary(accuracy, ["split", "method", "base_model", "model_size"]))
+    write_table(summary, out, "rm_scale_dpo_plot")
+    fig, axes = plt.subplots(1, len(splits), figsize=(5.5 * len(splits), 4.5), sharey=True, squeeze=False)
+    for ax, split in zip(axes[0], splits):
+        of_split = accuracy[accuracy["split"] == split]
+        plotted = [method for method in METHODS if method in set(of_split["method"])]
+        for method, shift in zip(plotted, shifts(len(plotted))):
+            plot_over_sizes(ax, of_split[of_split["method"] == method],
+                            summary[(summary["split"] == split) & (summary["method"] == method)],
+                            METHODS[method], METHOD_COLORS[method], shift)
+        ax.set_title(RM_SPLITS[split])
+    for ax in axes[0]:  # after all panels are drawn: they share one y range
+        finish_scaling_axes(ax, accuracy["model_size"], accuracy["value"])
+    axes[0][0].set_ylabel("accuracy on preference labels (validation)")
+    fig.suptitle("reward model vs DPO implicit reward: accuracy")
+    save_figure(fig, out, "rm_scale_dpo_plot")
+
+
+def main(args: Args) -> None:
+    exp_names = check_exp_names({"--sft_exp_name": args.sft_exp_name, "--reward_exp_name": args.reward_exp_name,
+                                 "--dpo_exp_name": args.dpo_exp_name})
+    runs, where = find_runs(args, exp_names)
+    if not runs:
+        raise SystemExit(f"no {either(exp_names)} run in {where}")
+    sizes = model_sizes(runs, parse_size_overrides(args.model_size))
+    metrics = {run.name: final_metrics(run) for run in runs}
+    sft_runs, rm_runs, dpo_runs = ([r for r in runs if r.config["exp_name"] == name] for name in exp_names)
+    os.makedirs(args.out, exist_ok=True)
+
+    # 1. SFT ROUGE-L vs model size
+    rouge = per_seed_values(sft_runs, metrics, sizes, ROUGE)
+    if len(rouge):
+        rouge_plot(rouge, args.out)
+    else:
+        console.print(f"[yellow]warning:[/yellow] no {args.sft_exp_name} run with {ROUGE}: no ROUGE plot")
+
+    # 2. RM accuracy vs model size, in and out of distribution; 3. by labeller confidence
+    rm_accuracy = split_accuracy(rm_runs, metrics, sizes)
+    if len(rm_accuracy):
+        rm_plot(rm_accuracy, args.out)
+        confidence = pd.concat([confidence_values(rm_runs, metrics, sizes, split) for split in RM_SPLITS])
+        if len(confidence):
+            confidence_plot(confidence, args.out)
+        else:
+            console.print("[yellow]warning:[/yellow] no eval/rm/*/accuracy/confidence/* metric: no confidence plot")
+    else:
+        console.print(f"[yellow]warning:[/yellow] no {args.reward_exp_name} run with eval/rm/*/accuracy: no RM plots")
+
+    # 4. DPO's implicit-reward accuracy next to the reward model's
+    dpo_accuracy = split_accuracy(dpo_runs, metrics, sizes)
+    if len(dpo_accuracy):
+        rm_dpo_plot(rm_accuracy, dpo_accuracy, args.out)
+    else:
+        console.print(f"[yellow]warning:[/yellow] no {args.dpo_exp_name} run with eval/rm/*/accuracy: no rm_scale_dpo_plot")
 
 
 if __name__ == "__main__":

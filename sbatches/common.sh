@@ -1,12 +1,12 @@
 # shellcheck shell=bash disable=SC2034  # sourced: the .sbatch files read its variables
-# Sourced by sbatches/*.sbatch: the (model, seed) of this array task, where the three stages put
-# their models, and how a stage is launched. One copy, so the three files always agree.
+# Sourced by sbatches/*.sbatch: the (model, seed) of this array task, where the four stages put
+# their models, and how a stage is launched. One copy, so the four files always agree.
 #
 # Environment (all optional; sbatch passes the submitting shell's environment to the job):
 #   MODELS       base models, space-separated    default: pythia 6.9b 2.8b 1b deduped (TINY: tiny-s)
 #   SEEDS        seeds, space-separated          default: 44413 55513 66613 77713  (TINY: 1 2)
 #                array task i runs model i / len(SEEDS), seed i % len(SEEDS)
-#   OUTPUT_ROOT  models go to OUTPUT_ROOT/models/<model basename>/{sft,reward_model,ppo}_<seed>,
+#   OUTPUT_ROOT  models go to OUTPUT_ROOT/models/<model basename>/{sft,reward_model,ppo,dpo}_<seed>,
 #                run folders to OUTPUT_ROOT/runs/ (the jobs run there)   default: the repository
 #   TINY=1       the embedded default on CPU: tiny models, local synthetic data (built by
 #                ./hello_world.sh --data), small episode counts, one process
@@ -14,7 +14,7 @@
 #                WANDB_TAGS is set; WANDB_MODE=offline keeps them local). Off by default, so a
 #                cluster without a wandb login or network runs as it is
 #   EXTRA_FLAGS  appended to every stage's command line, e.g. "--push_to_hub --hf_entity me";
-#                SFT_FLAGS / REWARD_FLAGS / PPO_FLAGS come after it, for one stage only
+#                SFT_FLAGS / REWARD_FLAGS / PPO_FLAGS / DPO_FLAGS come after it, for one stage only
 #   ACCELERATE_CONFIG  default deepspeed.yaml; the process count is the task's GPU count
 #   LAUNCHER     replaces the whole launcher, e.g. "accelerate launch --config_file my.yaml"
 # The project's .venv is used when it exists (make install); otherwise python/accelerate on PATH.
@@ -56,6 +56,7 @@ MODEL_DIR=$OUTPUT_ROOT/models/$(basename "$MODEL")
 SFT_DIR=$MODEL_DIR/sft_$SEED
 RM_DIR=$MODEL_DIR/reward_model_$SEED
 PPO_DIR=$MODEL_DIR/ppo_$SEED
+DPO_DIR=$MODEL_DIR/dpo_$SEED
 # flags of every stage, after its own: --track when TRACK=1 (wandb is opt-in), then EXTRA_FLAGS
 TRACK=${TRACK:-0}
 track=""

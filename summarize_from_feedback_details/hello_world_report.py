@@ -4,8 +4,8 @@
 
 Reads the run folders the stages wrote (`runs/hello_world_<stage>/`), judges the reward model's
 eval tables and the policies' validation tables with the synthetic task's gold judge (embedded
-default only; real data needs the chat judge of eval/rlhf_scaling_plot.py), and scores the SFT
-and PPO summaries with the same reward model. A stage that has not run yet is left out.
+default only; real data needs the chat judge of eval/rlhf_scaling_plot.py), and scores the SFT,
+PPO and DPO summaries with the same reward model. A stage that has not run yet is left out.
 """
 
 import json
@@ -29,8 +29,8 @@ class Args:
     prefix: str = "hello_world_"
     """run folders are `<runs_dir>/<prefix><stage>`"""
     models_dir: str = "models/hello_world"
-    """holds the stages' models; its `reward_model` scores the SFT and PPO summaries (the same
-    model for both)"""
+    """holds the stages' models; its `reward_model` scores the SFT, PPO and DPO summaries (the same
+    model for all)"""
     plots_dir: str = "eval/images/hello_world"
     """where hello_world.sh had eval/ write its plots"""
     gold_judge: bool = True
@@ -88,17 +88,21 @@ def collect(args: Args) -> list:
     if os.path.isdir(sft):
         metrics = last_metrics(sft)
         rows.append(("SFT ROUGE-L (validation)", f"{metrics['validation/sft/rouge/rougeL']:.3f}"))
-    reward = os.path.join(args.runs_dir, f"{args.prefix}reward")
-    if os.path.isdir(reward):
-        metrics = last_metrics(reward)
+    # the reward model's accuracy, and DPO's with its implicit reward (same tables, same judge)
+    for what, stage in (("RM", "reward"), ("DPO implicit-reward", "dpo")):
+        folder = os.path.join(args.runs_dir, f"{args.prefix}{stage}")
+        if not os.path.isfile(os.path.join(folder, "eval_validation_table.csv")):
+            continue
+        metrics = last_metrics(folder)
         for split, name in (("validation", "TL;DR validation"), ("validation_cnndm", "OOD (CNN/DM role)")):
-            table = pd.read_csv(os.path.join(reward, f"eval_{split}_table.csv"), keep_default_na=False)
-            agreement = reward_gold_agreement(table["query"], table["chosen"], table["rejected"],
-                                              table["chosen_rewards"], table["rejected_rewards"])
-            rows.append((f"RM accuracy, {name}", f"{metrics[f'eval/rm/{split}/accuracy']:.3f} ({len(table)} pairs)"))
-            rows.append((f"RM agreement with the gold judge, {name}", f"{agreement:.3f}"))
+            table = pd.read_csv(os.path.join(folder, f"eval_{split}_table.csv"), keep_default_na=False)
+            rows.append((f"{what} accuracy, {name}", f"{metrics[f'eval/rm/{split}/accuracy']:.3f} ({len(table)} pairs)"))
+            if args.gold_judge:
+                agreement = reward_gold_agreement(table["query"], table["chosen"], table["rejected"],
+                                                  table["chosen_rewards"], table["rejected_rewards"])
+                rows.append((f"{what} agreement with the gold judge, {name}", f"{agreement:.3f}"))
     policies = {name: os.path.join(args.runs_dir, f"{args.prefix}{stage}", "validation_table.csv")
-                for name, stage in (("SFT", "sft"), ("PPO", "ppo"))}
+                for name, stage in (("SFT", "sft"), ("PPO", "ppo"), ("DPO", "dpo"))}
     policies = {name: path for name, path in policies.items() if os.path.exists(path)}
     reward_model_dir = os.path.join(args.models_dir, "reward_model")
     if policies and os.path.isdir(reward_model_dir):

@@ -1,5 +1,5 @@
 """eval/rlhf_scaling_plot.py with the gold judge, on fake run folders (and fake wandb runs) whose eval
-tables have known verdicts and known response lengths."""
+tables have known verdicts and known response lengths: SFT and PPO, then DPO beside them."""
 
 import json
 import os
@@ -33,6 +33,12 @@ TABLES = {
     ("ppo_left_padding", PYTHIA_1B, 2): [(GOOD, MID), (GOOD, MID), (GOOD, MID), (MID, GOOD)],  # W W W L: 3/4
     ("ppo_left_padding", PYTHIA_2B8, 1): [(GOOD, MID)] * 4,  # 4/4
 }
+# DPO runs, lengths within SFT's and PPO's (3..16) so that the length bins stay where they were
+DPO_TABLES = {
+    ("dpo", PYTHIA_1B, 1): [(GOOD, MID), (MID, GOOD), (GOOD, POOR), (MID, MID)],  # W L W T: 2.5/4, length 13
+    ("dpo", PYTHIA_1B, 2): [(GOOD, MID), (GOOD, MID), (POOR, GOOD), (POOR, MID)],  # W W L L: 2/4, length 9.5
+    ("dpo", PYTHIA_2B8, 1): [(GOOD, POOR), (MID, POOR), (MID, POOR), (MID, GOOD)],  # W W W L: 3/4, length 11.5
+}
 
 
 def word_tokenizer(folder):
@@ -50,15 +56,15 @@ def table_frame(rows, eos_padded=False):
                          "reference_responses": [ref for _, ref in rows], "scores": 0.0, "reference_scores": 0.0})
 
 
-def write_runs(runs_dir, output_dir):
-    for (exp_name, base_model, seed), rows in TABLES.items():
+def write_runs(runs_dir, output_dir, tables=TABLES):
+    for (exp_name, base_model, seed), rows in tables.items():
         name = f"{exp_name}__{seed}__{100 + len(base_model)}"
         folder = os.path.join(runs_dir, name)
         os.makedirs(folder)
         with open(os.path.join(folder, "args.json"), "w") as f:
             json.dump({"exp_name": exp_name, "base_model": base_model, "seed": seed, "output_dir": output_dir}, f)
         table_frame(rows, eos_padded=seed == 2).to_csv(os.path.join(folder, "validation_table.csv"), index=False)
-    os.makedirs(os.path.join(runs_dir, "ppo_left_padding__3__999"))  # crashed before its eval: warned, left out
+    os.makedirs(os.path.join(runs_dir, "ppo_left_padding__3__999"), exist_ok=True)  # crashed before its eval: warned, left out
     with open(os.path.join(runs_dir, "ppo_left_padding__3__999", "args.json"), "w") as f:
         json.dump({"exp_name": "ppo_left_padding", "base_model": PYTHIA_1B, "seed": 3}, f)
 
@@ -126,6 +132,68 @@ def test_gold_judge_tables(tmp_path, capsys):
     assert read(out, "rlhf_scale_plot_runs")["rows"].tolist() == [1, 1]
 
 
+def check_dpo_outputs(out):
+    runs = read(out, "rlhf_scale_plot_runs")
+    assert runs["policy"].tolist() == ["SFT"] * 2 + ["PPO"] * 3 + ["DPO"] * 3  # policy order, then as found
+    dpo = runs[runs["policy"] == "DPO"]
+    assert dpo["run_name"].tolist() == ["dpo__1__128", "dpo__2__128", "dpo__1__130"]
+    assert dpo[["rows", "wins", "ties", "losses", "unparsed"]].values.tolist() == [[4, 2, 1, 1, 0], [4, 2, 0, 2, 0],
+                                                                                 [4, 3, 0, 1, 0]]
+    assert dpo["win_rate"].tolist() == pytest.approx([0.625, 0.5, 0.75])
+    assert dpo["mean_length"].tolist() == pytest.approx([13.0, 9.5, 11.5])  # seed 2: EOS and pads cut
+    assert "| DPO | EleutherAI/pythia-1b-deduped | 1000000000 | 1 | dpo__1__128 | 4 | 2 | 1 | 1 | 0 | 0.6250 | 13.0000 |" \
+        in open(os.path.join(out, "rlhf_scale_plot_runs.md")).read()
+
+    summary = read(out, "rlhf_scale_plot").set_index(["policy", "base_model"])
+    assert list(summary.index) == [("SFT", PYTHIA_1B), ("PPO", PYTHIA_1B), ("PPO", PYTHIA_2B8), ("DPO", PYTHIA_1B),
+                                   ("DPO", PYTHIA_2B8)]
+    assert summary.loc[("DPO", PYTHIA_1B), ["seeds", "values"]].tolist() == ["1 2", "0.625 0.5"]
+    assert summary.loc[("DPO", PYTHIA_1B), "mean"] == pytest.approx(0.5625)
+    assert summary.loc[("DPO", PYTHIA_1B), "std"] == pytest.approx(0.125 / 2 ** 0.5)  # ddof=1
+    assert summary.loc[("DPO", PYTHIA_1B), ["rows", "unparsed"]].tolist() == [8, 0]
+    assert summary.loc[("DPO", PYTHIA_2B8), ["n_seeds", "values", "mean"]].tolist() == [1, "0.75", 0.75]
+    assert pd.isna(summary.loc[("DPO", PYTHIA_2B8), "std"])
+
+    # the same two bins [3, 9.5), [9.5, 16]: DPO's two POOR responses lose, the other ten W W W T W W W W L L
+    bins = read(out, "rlhf_scale_plot_token_length")
+    assert bins["policy"].tolist() == ["SFT", "SFT", "PPO", "PPO", "DPO", "DPO"]
+    bins = bins.set_index(["policy", "bin"])
+    assert bins.loc[("DPO", 0), ["length_low", "length_high", "rows", "wins", "ties", "losses", "win_rate"]].tolist() == \
+        [3.0, 9.5, 2, 0, 0, 2, 0.0]
+    assert bins.loc[("DPO", 1), ["rows", "wins", "ties", "losses"]].tolist() == [10, 7, 1, 2]
+    assert bins.loc[("DPO", 1), "win_rate"] == pytest.approx(0.75)
+
+
+def without_dpo_rows(out, name):
+    frame = read(out, name)
+    return frame[frame["policy"] != "DPO"].reset_index(drop=True)
+
+
+def test_dpo_beside_sft_and_ppo(tmp_path):
+    """DPO runs are judged and plotted as a third policy, after SFT and PPO, whose rows do not change."""
+    runs_dir, without, out = str(tmp_path / "runs"), str(tmp_path / "without_dpo"), str(tmp_path / "out")
+    write_runs(runs_dir, output_dir=word_tokenizer(tmp_path / "tokenizer"))
+    rlhf.main(rlhf.Args(runs_dir=runs_dir, out=without, length_bins=2))
+    write_runs(runs_dir, output_dir=str(tmp_path / "tokenizer"), tables=DPO_TABLES)
+    rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, length_bins=2))
+    check_outputs(without)
+    check_dpo_outputs(out)
+    for name in ("rlhf_scale_plot_runs", "rlhf_scale_plot", "rlhf_scale_plot_token_length"):
+        pd.testing.assert_frame_equal(without_dpo_rows(out, name), read(without, name))
+    judged = pd.read_csv(os.path.join(out, "judged", "dpo__1__128.csv"), keep_default_na=False)
+    assert judged["verdict"].tolist() == ["policy", "reference", "policy", "tie"]
+    for ext in ("png", "pdf", "md"):
+        assert os.path.getsize(os.path.join(out, f"rlhf_scale_plot_token_length.{ext}")) > 0
+
+    # --dpo_exp_name: another experiment's runs as DPO; exp_names must be pairwise distinct
+    rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, length_bins=2, ppo_exp_name="none", dpo_exp_name="ppo_left_padding"))
+    assert read(out, "rlhf_scale_plot")["policy"].tolist() == ["SFT", "DPO", "DPO"]
+    with pytest.raises(ValueError, match="--sft_exp_name and --dpo_exp_name are both 'sft': each stage needs"):
+        rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, dpo_exp_name="sft"))
+    with pytest.raises(ValueError, match="--sft_exp_name and --ppo_exp_name and --dpo_exp_name are both 'x'"):
+        rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, sft_exp_name="x", ppo_exp_name="x", dpo_exp_name="x"))
+
+
 def test_missing_column_is_an_error(tmp_path):
     runs_dir = tmp_path / "runs"
     write_runs(str(runs_dir), output_dir=word_tokenizer(tmp_path / "tokenizer"))
@@ -167,7 +235,7 @@ class FakeWandbRun:
 def test_wandb_tables(tmp_path, monkeypatch):
     import wandb
 
-    runs = [FakeWandbRun(*key, rows) for key, rows in TABLES.items()]
+    runs = [FakeWandbRun(*key, rows) for key, rows in {**TABLES, **DPO_TABLES}.items()]
     monkeypatch.setattr(wandb, "Api", lambda: type("Api", (), {"runs": lambda self, path, filters: runs})())
     out = str(tmp_path / "out")
     rlhf.main(rlhf.Args(wandb_project="tldr_summarize", out=out, length_bins=2,
@@ -176,3 +244,6 @@ def test_wandb_tables(tmp_path, monkeypatch):
     assert summary.loc[("SFT", PYTHIA_1B), "values"] == "0.375 0.5"
     assert summary.loc[("PPO", PYTHIA_1B), "values"] == "0.625 0.75"
     assert summary.loc[("PPO", PYTHIA_2B8), "values"] == "1"
+    assert summary.loc[("DPO", PYTHIA_1B), "values"] == "0.625 0.5"
+    assert summary.loc[("DPO", PYTHIA_2B8), "values"] == "0.75"
+    assert list(summary.index.get_level_values("policy")) == ["SFT", "PPO", "PPO", "DPO", "DPO"]

@@ -1,4 +1,5 @@
-"""eval/sft_rm_scale.py and the run handling of eval/common.py, on fake run folders with known metrics."""
+"""eval/sft_rm_scale.py and the run handling of eval/common.py, on fake run folders with known metrics
+(and fake wandb runs): SFT ROUGE-L, reward-model accuracy, and DPO's implicit-reward accuracy beside it."""
 
 import json
 import os
@@ -44,11 +45,55 @@ def fake_runs(runs_dir):
     write_run(runs_dir, "sft__3__300", "sft", PYTHIA_1B, 3, [{rouge: 0.24}])
     write_run(runs_dir, "sft__1__400", "sft", PYTHIA_2B8, 1, [{rouge: 0.30}])  # one seed: no std
     write_run(runs_dir, "sft_no_eval", "sft", PYTHIA_2B8, 2, [{"train/sft/loss": 1.0}])  # left out, warned
-    write_run(runs_dir, "dpo__1__300", "dpo", PYTHIA_1B, 1, [{rouge: 0.99}])  # another experiment
+    write_run(runs_dir, "ppo_left_padding__1__300", "ppo_left_padding", PYTHIA_1B, 1, [{rouge: 0.99}])  # another stage
     write_run(runs_dir, "reward__1__300", "reward", PYTHIA_1B, 1, [rm_metrics(0.60, 0.55, {1: 0.50, 9: 0.80})])
     write_run(runs_dir, "reward__2__300", "reward", PYTHIA_1B, 2, [rm_metrics(0.70, 0.65, {1: 0.60, 9: 1.00})])
     write_run(runs_dir, "reward__1__500", "reward", PYTHIA_2B8, 1, [rm_metrics(0.75, 0.72, {1: 0.55, 9: 0.90})])
     os.makedirs(os.path.join(runs_dir, "not_a_run"))  # no args.json: skipped
+
+
+def dpo_metrics(validation, cnndm=None):
+    """What dpo.py --run_eval logs: the reward model's names, plus the margin of the implicit rewards,
+    and a confidence breakdown that the confidence plot (reward models only) must not pick up."""
+    metrics = {"eval/rm/validation/accuracy": validation, "eval/rm/validation/reward_margin": 0.3,
+               "eval/rm/validation/accuracy/confidence/1": 0.01, "eval/rm/validation/accuracy/confidence/9": 0.02}
+    if cnndm is not None:
+        metrics["eval/rm/validation_cnndm/accuracy"] = cnndm
+    return metrics
+
+
+def fake_dpo_runs(runs_dir):
+    # 1B: seeds 1 and 2, and an older duplicate of seed 1; 2.8B: seeds 1 and 3, seed 1 without CNN/DM
+    write_run(runs_dir, "dpo__1__100", "dpo", PYTHIA_1B, 1, [dpo_metrics(0.99, 0.99)])
+    write_run(runs_dir, "dpo__1__310", "dpo", PYTHIA_1B, 1, [{"train/rm/accuracy": 0.9}, dpo_metrics(0.58, 0.52)])
+    write_run(runs_dir, "dpo__2__310", "dpo", PYTHIA_1B, 2, [dpo_metrics(0.62, 0.56)])
+    write_run(runs_dir, "dpo__1__510", "dpo", PYTHIA_2B8, 1, [dpo_metrics(0.66)])
+    write_run(runs_dir, "dpo__3__510", "dpo", PYTHIA_2B8, 3, [dpo_metrics(0.70, 0.64)])
+    write_run(runs_dir, "dpo_ipo__1__310", "dpo_ipo", PYTHIA_1B, 1, [dpo_metrics(0.10, 0.10)])  # another exp_name
+
+
+# rm_scale_dpo_plot.csv of fake_runs + fake_dpo_runs, row by row in plot order:
+# (split, method, base_model, seeds, values, mean, std)
+RM_DPO_ROWS = [
+    ("validation", "reward model", PYTHIA_1B, "1 2", "0.6 0.7", 0.65, 0.0707107),
+    ("validation", "reward model", PYTHIA_2B8, "1", "0.75", 0.75, None),
+    ("validation", "DPO", PYTHIA_1B, "1 2", "0.58 0.62", 0.60, 0.0282843),
+    ("validation", "DPO", PYTHIA_2B8, "1 3", "0.66 0.7", 0.68, 0.0282843),
+    ("validation_cnndm", "reward model", PYTHIA_1B, "1 2", "0.55 0.65", 0.60, 0.0707107),
+    ("validation_cnndm", "reward model", PYTHIA_2B8, "1", "0.72", 0.72, None),
+    ("validation_cnndm", "DPO", PYTHIA_1B, "1 2", "0.52 0.56", 0.54, 0.0282843),
+    ("validation_cnndm", "DPO", PYTHIA_2B8, "3", "0.64", 0.64, None),
+]
+
+
+def check_rows(frame, expected):
+    """`frame` (a table of seed_summary rows) is `expected`, row by row: (keys..., seeds, values, mean, std)."""
+    assert len(frame) == len(expected)
+    for (_, row), (*keys, seeds, values, mean, std) in zip(frame.iterrows(), expected):
+        assert [row[c] for c in frame.columns[:len(keys)]] == keys
+        assert (row["n_seeds"], row["seeds"], row["values"]) == (len(seeds.split()), seeds, values)
+        assert row["mean"] == pytest.approx(mean)
+        assert pd.isna(row["std"]) if std is None else row["std"] == pytest.approx(std, abs=1e-6)
 
 
 def read(out, name):
@@ -62,6 +107,8 @@ def test_sft_rm_scale_tables(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "keeping the newest, sft__1__200" in err and "ignoring sft__1__100" in err
     assert "sft_no_eval has no validation/sft/rouge/rougeL" in err
+    assert "warning: no dpo run with eval/rm/*/accuracy: no rm_scale_dpo_plot" in err
+    assert not os.path.exists(os.path.join(out, "rm_scale_dpo_plot.csv"))
 
     rouge = read(out, "rouge_score_plot").set_index("base_model")
     assert list(rouge.index) == [PYTHIA_1B, PYTHIA_2B8]
@@ -89,13 +136,65 @@ def test_sft_rm_scale_tables(tmp_path, capsys):
             assert os.path.getsize(os.path.join(out, f"{name}.{ext}")) > 0
 
 
+def test_dpo_beside_the_reward_model(tmp_path, capsys):
+    """DPO runs add rm_scale_dpo_plot (reward model and DPO per split) and change nothing else."""
+    runs_dir, without, out = str(tmp_path / "runs"), str(tmp_path / "without_dpo"), str(tmp_path / "out")
+    fake_runs(runs_dir)
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=without))
+    fake_dpo_runs(runs_dir)
+    capsys.readouterr()
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out))
+    err = capsys.readouterr().err
+    assert "keeping the newest, dpo__1__310" in err and "ignoring dpo__1__100" in err
+    assert "run dpo__1__510 has no eval/rm/validation_cnndm/accuracy; left out" in err
+    assert "no rm_scale_dpo_plot" not in err
+
+    table = read(out, "rm_scale_dpo_plot")
+    assert list(table.columns) == ["split", "method", "base_model", "model_size", "n_seeds", "seeds", "values", "mean",
+                                   "std"]
+    check_rows(table, RM_DPO_ROWS)  # also the order: split, then reward model before DPO, then size
+    assert table["model_size"].tolist() == [1_000_000_000, 2_800_000_000] * 4
+    assert "| validation | DPO | EleutherAI/pythia-2.8b-deduped | 2800000000 | 2 | 1 3 | 0.66 0.7 | 0.6800 | 0.0283 |" in \
+        open(os.path.join(out, "rm_scale_dpo_plot.md")).read()
+    for ext in ("png", "pdf"):
+        assert os.path.getsize(os.path.join(out, f"rm_scale_dpo_plot.{ext}")) > 0
+    # the other plots, byte for byte as without DPO runs (the confidence plot is the reward model's only)
+    for name in ("rouge_score_plot", "rm_scale_plot", "rm_scale_plot_confidence"):
+        for ext in ("csv", "md", "png"):
+            with open(os.path.join(without, f"{name}.{ext}"), "rb") as f, open(os.path.join(out, f"{name}.{ext}"), "rb") as g:
+                assert f.read() == g.read(), f"{name}.{ext}"
+
+
+def test_dpo_alone_and_its_exp_name(tmp_path, capsys):
+    runs_dir, out = str(tmp_path / "runs"), str(tmp_path / "out")
+    fake_runs(runs_dir)
+    fake_dpo_runs(runs_dir)
+    # no reward run: DPO alone, and no reward-model plot
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, run_glob="dpo__*"))
+    assert "no reward run with eval/rm/*/accuracy: no RM plots" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(out, "rm_scale_plot.csv"))
+    check_rows(read(out, "rm_scale_dpo_plot"), [row for row in RM_DPO_ROWS if row[1] == "DPO"])
+    # --dpo_exp_name picks another experiment's runs; only the splits DPO has get a panel
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, dpo_exp_name="dpo_ipo", run_glob="*__1__*"))
+    check_rows(read(out, "rm_scale_dpo_plot"), [
+        ("validation", "reward model", PYTHIA_1B, "1", "0.6", 0.6, None),
+        ("validation", "reward model", PYTHIA_2B8, "1", "0.75", 0.75, None),
+        ("validation", "DPO", PYTHIA_1B, "1", "0.1", 0.1, None),
+        ("validation_cnndm", "reward model", PYTHIA_1B, "1", "0.55", 0.55, None),
+        ("validation_cnndm", "reward model", PYTHIA_2B8, "1", "0.72", 0.72, None),
+        ("validation_cnndm", "DPO", PYTHIA_1B, "1", "0.1", 0.1, None),
+    ])
+    with pytest.raises(ValueError, match="--reward_exp_name and --dpo_exp_name are both 'reward': each stage needs"):
+        sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, dpo_exp_name="reward"))
+
+
 def test_run_glob_and_exp_names(tmp_path):
     runs_dir, out = str(tmp_path / "runs"), str(tmp_path / "out")
     fake_runs(runs_dir)
     sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, run_glob="*__3__*", sft_exp_name="sft"))
     assert read(out, "rouge_score_plot")["values"].tolist() == ["0.24"]
     assert not os.path.exists(os.path.join(out, "rm_scale_plot.csv"))  # no reward run matches the glob
-    with pytest.raises(SystemExit, match="no sft or reward run"):
+    with pytest.raises(SystemExit, match="no sft, reward or dpo run"):
         sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, run_glob="nothing*"))
     with pytest.raises(FileNotFoundError, match="no run folder"):
         sft_rm_scale.main(sft_rm_scale.Args(runs_dir=str(tmp_path / "missing"), out=out))
@@ -165,6 +264,10 @@ def test_wandb_summaries(tmp_path, monkeypatch):
                      "2023-01-01T00:00:00"),
         FakeWandbRun("rm", {"exp_name": "reward", "base_model": PYTHIA_1B, "seed": 1}, rm_metrics(0.6, 0.5, {3: 0.7}),
                      "2024-01-01T00:00:00"),
+        FakeWandbRun("dpo_a", {"exp_name": "dpo", "base_model": PYTHIA_1B, "seed": 1}, dpo_metrics(0.58, 0.52),
+                     "2024-01-01T00:00:00"),
+        FakeWandbRun("dpo_b", {"exp_name": "dpo", "base_model": PYTHIA_1B, "seed": 2}, dpo_metrics(0.62),
+                     "2024-01-01T00:00:00"),
     ]
     api = FakeApi(runs)
     monkeypatch.setattr(wandb, "Api", lambda: api)
@@ -172,8 +275,15 @@ def test_wandb_summaries(tmp_path, monkeypatch):
     sft_rm_scale.main(sft_rm_scale.Args(wandb_project="tldr", wandb_entity="me", wandb_tags=["v1"], out=out))
     path, filters = api.calls[0]
     assert path == "me/tldr"
-    assert filters == {"$and": [{"config.exp_name": {"$in": ["sft", "reward"]}}, {"tags": {"$in": ["v1"]}}]}
+    assert filters == {"$and": [{"config.exp_name": {"$in": ["sft", "reward", "dpo"]}}, {"tags": {"$in": ["v1"]}}]}
     rouge = read(out, "rouge_score_plot").iloc[0]
     assert (rouge["values"], rouge["mean"]) == ("0.2 0.3", pytest.approx(0.25))
     assert read(out, "rm_scale_plot")["mean"].tolist() == pytest.approx([0.6, 0.5])
     assert read(out, "rm_scale_plot_confidence")["confidence"].tolist() == [3]
+    assert read(out, "rm_scale_plot_confidence")["values"].tolist() == ["0.7"]  # the reward model's, not DPO's
+    check_rows(read(out, "rm_scale_dpo_plot"), [
+        ("validation", "reward model", PYTHIA_1B, "1", "0.6", 0.6, None),
+        ("validation", "DPO", PYTHIA_1B, "1 2", "0.58 0.62", 0.60, 0.0282843),
+        ("validation_cnndm", "reward model", PYTHIA_1B, "1", "0.5", 0.5, None),
+        ("validation_cnndm", "DPO", PYTHIA_1B, "1", "0.52", 0.52, None),
+    ])

@@ -34,12 +34,24 @@ def test_report_reads_the_run_folders(tmp_path):
                                "chosen_rewards": [1.0, -1.0, 0.0], "rejected_rewards": [0.0, 1.0, 0.0]})
     write_run(runs / "hello_world_reward", [{"eval/rm/validation/accuracy": 0.7, "eval/rm/validation_cnndm/accuracy": 0.65}],
               {"eval_validation_table.csv": eval_table, "eval_validation_cnndm_table.csv": eval_table.iloc[:1]})
+    # DPO's implicit rewards in the same table format: pair 0 ordered against the judge -> agreement 0
+    write_run(runs / "hello_world_dpo", [{"eval/rm/validation/accuracy": 0.6, "eval/rm/validation_cnndm/accuracy": 0.55}],
+              {"eval_validation_table.csv": eval_table.assign(chosen_rewards=[-1.0, -1.0, 0.0]),
+               "eval_validation_cnndm_table.csv": eval_table.iloc[:1].assign(chosen_rewards=[-1.0])})
     rows = dict(report.collect(args))
     assert rows["SFT ROUGE-L (validation)"] == "0.457"
     assert rows["RM accuracy, TL;DR validation"] == "0.700 (3 pairs)"
     assert rows["RM agreement with the gold judge, TL;DR validation"] == "0.500"
     assert rows["RM accuracy, OOD (CNN/DM role)"] == "0.650 (1 pairs)"
     assert rows["RM agreement with the gold judge, OOD (CNN/DM role)"] == "1.000"
+    assert rows["DPO implicit-reward accuracy, TL;DR validation"] == "0.600 (3 pairs)"
+    assert rows["DPO implicit-reward agreement with the gold judge, TL;DR validation"] == "0.167"  # (a tie: half)
+    assert rows["DPO implicit-reward accuracy, OOD (CNN/DM role)"] == "0.550 (1 pairs)"
+    assert rows["DPO implicit-reward agreement with the gold judge, OOD (CNN/DM role)"] == "0.000"
+    # real data: accuracies without the synthetic gold judge
+    real = dict(report.collect(report.Args(runs_dir=str(runs), models_dir=args.models_dir, gold_judge=False)))
+    assert real["DPO implicit-reward accuracy, TL;DR validation"] == "0.600 (3 pairs)"
+    assert not any("gold" in what for what in real)
 
 
 def test_last_metrics_keeps_the_latest_value(tmp_path):
@@ -64,6 +76,9 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     write_run(runs / "hello_world_ppo", [{"objective/kl": k} for k in (9.0, 1.0, 2.0, 3.0, 4.0, 5.0)],
               {"validation_table.csv": pd.DataFrame({"query": [POST, POST], "postprocessed_response": [good, good],
                                                      "reference_responses": [poor, poor]})})
+    # DPO: two losses
+    write_run(runs / "hello_world_dpo", [{"train/rm/loss": 0.6}], {"validation_table.csv": pd.DataFrame(
+        {"query": [POST, POST], "postprocessed_response": [poor, poor], "reference_responses": [good, good]})})
     (tmp_path / "plots").mkdir()
     for name in ("win_rate.png", "win_rate.pdf", "length.png"):
         (tmp_path / "plots" / name).touch()
@@ -73,6 +88,8 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     assert rows["plots"] == f"{tmp_path / 'plots'} (2 plots: PNG, PDF, CSV, markdown)"
     assert rows["SFT gold-judge win rate vs reference (2 prompts)"] == "0.500"
     assert rows["PPO gold-judge win rate vs reference (2 prompts)"] == "1.000"
+    assert rows["DPO gold-judge win rate vs reference (2 prompts)"] == "0.000"
+    assert rows["DPO mean response length (tokens)"] == f"{len(tokenizer(poor)['input_ids']):.1f}"
     assert rows["PPO KL to the SFT policy (nats per response, last 5 updates)"] == "3.00"
     lengths = [len(tokenizer(r)["input_ids"]) for r in (good, poor)]
     assert rows["SFT mean response length (tokens)"] == f"{sum(lengths) / 2:.1f}"

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from summarize_from_feedback_details import ppo_left_padding, reward, sft
+from summarize_from_feedback_details import dpo, ppo_left_padding, reward, sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASH = os.environ.get("TEST_BASH", "bash")
@@ -71,14 +71,17 @@ def test_real_pipeline_keeps_the_paper_batch_sizes(checkout, gpus):
     # the hub data with the paper's lengths, tokenized for the model
     assert flag(data, "--base_model") == "EleutherAI/pythia-1b-deduped" and not any("params" in a for a in data)
     out = "models/hello_world_pythia-1b-deduped"
-    for script, batch in (("sft.py", 128), ("reward.py", 64), ("ppo_left_padding.py", 512)):
+    for script, batch in (("sft.py", 128), ("reward.py", 64), ("ppo_left_padding.py", 512), ("dpo.py", 64)):
         (call,) = stage_calls(calls, script)
         assert call[:6] == ["accelerate", "launch", "--config_file", "deepspeed.yaml", "--num_processes", str(gpus)]
         assert {"--deepspeed", "--run_eval"} <= set(call) and "--lr" not in call and "--track" not in call
         assert int(flag(call, "--local_micro_batch_size")) * int(flag(call, "--gradient_accumulation_steps")) * gpus == batch
         assert flag(call, "--query_dataset") == "data/pythia-1b-deduped/sft"
     # the paper's learning rate is each stage's default
-    assert sft.Args.lr == reward.Args.lr == ppo_left_padding.Args.lr == 3e-6
+    assert sft.Args.lr == reward.Args.lr == ppo_left_padding.Args.lr == dpo.Args.lr == 3e-6
+    (dpo_call,) = stage_calls(calls, "dpo.py")
+    assert flag(dpo_call, "--sft_model_path") == f"{out}/sft" and flag(dpo_call, "--output_dir") == f"{out}/dpo"
+    assert dpo.Args.beta == 0.05 and dpo.Args.num_train_epochs == 1 and "--offload" not in dpo_call
     (rm,) = stage_calls(calls, "reward.py")
     assert flag(rm, "--sft_model_path") == f"{out}/sft"
     (ppo,) = stage_calls(calls, "ppo_left_padding.py")
@@ -97,6 +100,8 @@ def test_real_pipeline_knobs_and_errors(checkout):
     assert result.returncode == 0, result.stderr
     (ppo,) = stage_calls(calls, "ppo_left_padding.py")
     assert flag(ppo, "--gradient_accumulation_steps") == "64" and {"--offload", "--track"} <= set(ppo)
+    (dpo_call,) = stage_calls(calls, "dpo.py")  # the same offload of its frozen reference
+    assert flag(dpo_call, "--gradient_accumulation_steps") == "4" and {"--offload", "--track"} <= set(dpo_call)
     _, calls = run(checkout, 2, MODEL="EleutherAI/pythia-2.8b-deduped", OPENAI_API_KEY="key", JUDGE_MODEL="judge")
     (judge,) = stage_calls(calls, "eval/rlhf_scaling_plot.py")
     assert (flag(judge, "--judge"), flag(judge, "--chat.model")) == ("chat", "judge")
@@ -139,6 +144,8 @@ def test_finished_stages_are_skipped_and_force_reruns(checkout):
     assert flag(rm, "--sft_model_path") == "models/hello_world/sft_all_tokens"
     (ppo,) = stage_calls(first, "ppo_left_padding.py")
     assert flag(ppo, "--sft_model_path") == "models/hello_world/sft" and flag(ppo, "--total_episodes") == str(30 * 64)
+    (dpo_call,) = stage_calls(first, "dpo.py")  # DPO from the policy's SFT, like PPO
+    assert flag(dpo_call, "--sft_model_path") == "models/hello_world/sft"
     assert len(stage_calls(first, "sft.py")) == 2
     # plots of this run's folders only, with the gold judge
     for script in ("eval/sft_rm_scale.py", "eval/rlhf_scaling_plot.py"):
@@ -146,10 +153,12 @@ def test_finished_stages_are_skipped_and_force_reruns(checkout):
         assert (flag(call, "--run_glob"), flag(call, "--out")) == ("hello_world_*", "eval/images/hello_world")
     assert flag(stage_calls(first, "eval/rlhf_scaling_plot.py")[0], "--judge") == "gold"
     result, second = run(checkout, 0)
-    assert result.returncode == 0 and result.stdout.count("exists, skipping") == 7
+    assert result.returncode == 0 and result.stdout.count("exists, skipping") == 8
     assert not stage_calls(second, "sft.py") and not stage_calls(second, "ppo_left_padding.py")
+    assert not stage_calls(second, "dpo.py")
     _, forced = run(checkout, 0, "--force")
     assert len(stage_calls(forced, "sft.py")) == 2 and len(stage_calls(forced, "ppo_left_padding.py")) == 1
+    assert len(stage_calls(forced, "dpo.py")) == 1
 
 
 def test_data_only(checkout):

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASH = os.environ.get("TEST_BASH", "bash")
-SBATCHES = ("sft.sbatch", "reward.sbatch", "ppo_left_padding.sbatch")
+SBATCHES = ("sft.sbatch", "reward.sbatch", "ppo_left_padding.sbatch", "dpo.sbatch")
 # the scripts a user runs on a login or compute node. tests/slurm/test_sbatch_chain.sh is not one:
 # it runs as root on a Debian machine with its bash 5.
 SCRIPTS = ("hello_world.sh", "sbatches/common.sh", *(f"sbatches/{name}" for name in SBATCHES))
@@ -188,9 +188,10 @@ def repo(tmp_path):
     return tmp_path
 
 
-def chain(repo, models="EleutherAI/pythia-1b-deduped", task=0, **env):
-    """Runs array task `task` of sft, reward and ppo_left_padding.sbatch one after the other, as
-    Slurm would (bash, in the submit directory); returns the last result and the recorded argvs."""
+def chain(repo, models="EleutherAI/pythia-1b-deduped", task=0, names=SBATCHES, **env):
+    """Runs array task `task` of sft, reward, ppo_left_padding and dpo.sbatch (or `names`) one after
+    the other, as Slurm would (bash, in the submit directory); returns the last result and the
+    recorded argvs. (Slurm runs dpo beside reward and ppo, after sft: it reads only the SFT model.)"""
     record = repo / "record.jsonl"
     record.unlink(missing_ok=True)
     n = len(models.split()) * 2
@@ -199,7 +200,7 @@ def chain(repo, models="EleutherAI/pythia-1b-deduped", task=0, **env):
         "MODELS": models, "SEEDS": "1 2", "OUTPUT_ROOT": str(repo / "out"), "SLURM_SUBMIT_DIR": str(repo / "repo"),
         "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": str(n),
         "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": str(n - 1), "SLURM_GPUS_PER_TASK": "8", **env}
-    for name in SBATCHES:
+    for name in names:
         result = subprocess.run([BASH, f"sbatches/{name}"], cwd=repo / "repo", env=environment,
                                 capture_output=True, text=True, timeout=60)
         if result.returncode != 0:
@@ -215,19 +216,22 @@ def flag(call, name):
 def test_no_wandb_unless_track_is_1(repo):
     result, calls = chain(repo)
     assert result.returncode == 0, result.stderr
-    assert [os.path.basename(c[0]) for c in calls] == ["sft.py", "reward.py", "ppo_left_padding.py"]
+    assert [os.path.basename(c[0]) for c in calls] == ["sft.py", "reward.py", "ppo_left_padding.py", "dpo.py"]
     assert all("--deepspeed" in c and "--track" not in c for c in calls)
-    result, calls = chain(repo, TRACK="1", EXTRA_FLAGS="--push_to_hub --hf_entity me", PPO_FLAGS="--ppo.kl_coef 0.1")
+    result, calls = chain(repo, TRACK="1", EXTRA_FLAGS="--push_to_hub --hf_entity me", PPO_FLAGS="--ppo.kl_coef 0.1",
+                          DPO_FLAGS="--beta 0.1")
     assert result.returncode == 0, result.stderr
     # --track, then EXTRA_FLAGS, then the stage's own, after the file's flags
+    assert len(calls) == 4
     for call in calls:
         assert call.index("--local_eval_batch_size") < call.index("--track") < call.index("--push_to_hub")
         assert flag(call, "--hf_entity") == "me"
-    assert calls[2][-2:] == ["--ppo.kl_coef", "0.1"] and "--ppo.kl_coef" not in calls[0] + calls[1]
+    assert calls[2][-2:] == ["--ppo.kl_coef", "0.1"] and "--ppo.kl_coef" not in calls[0] + calls[1] + calls[3]
+    assert calls[3][-2:] == ["--beta", "0.1"] and "--beta" not in calls[0] + calls[1] + calls[2]
     # the embedded default tracks only when asked too
     result, calls = chain(repo, models="models/tiny/pythia-tiny-s", TINY="1")
     assert result.returncode == 0, result.stderr
-    assert len(calls) == 3 and all("--track" not in c and "--deepspeed" not in c for c in calls)
+    assert len(calls) == 4 and all("--track" not in c and "--deepspeed" not in c for c in calls)
     result, calls = chain(repo, models="models/tiny/pythia-tiny-s", TINY="1", TRACK="1")
     assert result.returncode == 0 and all("--track" in c for c in calls)
 
@@ -238,13 +242,62 @@ def test_memory_knobs_by_model_size(repo):
     assert result.returncode == 0, result.stderr
     result, small = chain(repo, models=models, task=2)
     assert result.returncode == 0, result.stderr
-    # the paper's batches 128 / 64 / 512 on 8 GPUs; only 6.9b offloads PPO's frozen models
-    for calls, micro in ((big, (1, 1, 1)), (small, (16, 8, 16))):
-        for call, m, batch in zip(calls, micro, (128, 64, 512)):
+    # the paper's batches 128 / 64 / 512 / 64 (SFT, RM, PPO, DPO) on 8 GPUs; only 6.9b offloads PPO's
+    # frozen models and DPO's frozen reference
+    assert len(big) == len(small) == 4
+    for calls, micro, evals in ((big, (1, 1, 1, 1), (1, 1, 1, 1)), (small, (16, 8, 16, 8), (8, 8, 8, 8))):
+        for call, m, e, batch in zip(calls, micro, evals, (128, 64, 512, 64), strict=True):
             assert int(flag(call, "--local_micro_batch_size")) == m
             assert m * int(flag(call, "--gradient_accumulation_steps")) * 8 == batch
-    assert "--offload" in big[2] and "--offload" not in small[2]
+            assert int(flag(call, "--local_eval_batch_size")) == e
+    for i in (2, 3):
+        assert "--offload" in big[i] and "--offload" not in small[i]
+    assert not any("--offload" in c for c in big[:2] + small[:2])
     assert flag(big[0], "--output_dir").endswith("out/models/pythia-6.9b-deduped/sft_1")
+    # DPO: the paper's batch of 64 pairs on other GPU counts too (accumulation derived)
+    result, four = chain(repo, models=models, task=2, SLURM_GPUS_PER_TASK="4")
+    assert result.returncode == 0, result.stderr
+    assert flag(four[3], "--gradient_accumulation_steps") == "2" and flag(four[3], "--local_micro_batch_size") == "8"
+
+
+def test_dpo_reads_the_sft_model_of_its_model_and_seed(repo):
+    models = "EleutherAI/pythia-6.9b-deduped EleutherAI/pythia-1b-deduped"
+    result, calls = chain(repo, models=models, task=3)  # model 1 (1b), seed 2
+    assert result.returncode == 0, result.stderr
+    sft, dpo = calls[0], calls[3]
+    assert os.path.basename(dpo[0]) == "dpo.py"
+    out = str(repo / "out/models/pythia-1b-deduped")
+    assert flag(sft, "--output_dir") == flag(dpo, "--sft_model_path") == f"{out}/sft_2"
+    assert flag(dpo, "--output_dir") == f"{out}/dpo_2"
+    assert flag(dpo, "--base_model") == "EleutherAI/pythia-1b-deduped" and flag(dpo, "--seed") == "2"
+    assert "--deepspeed" in dpo and "--run_eval" in dpo and "--track" not in dpo
+    assert "--reward_model_path" not in dpo and "--label_dataset" not in dpo  # the paper's hub datasets
+
+
+def test_dpo_tiny_runs_the_embedded_default(repo):
+    result, calls = chain(repo, models="models/tiny/pythia-tiny-s", task=1, TINY="1")
+    assert result.returncode == 0, result.stderr
+    dpo, base = calls[3], str(repo / "repo")
+    assert dpo[0] == f"{base}/summarize_from_feedback_details/dpo.py"
+    out = str(repo / "out/models/pythia-tiny-s")
+    assert flag(dpo, "--base_model") == f"{base}/models/tiny/pythia-tiny-s"
+    assert flag(dpo, "--sft_model_path") == f"{out}/sft_2" and flag(dpo, "--output_dir") == f"{out}/dpo_2"
+    assert flag(dpo, "--label_dataset") == f"{base}/data/tldr/preference"
+    assert flag(dpo, "--query_dataset") == f"{base}/data/tldr/sft"
+    assert flag(dpo, "--response_length") == "32" and flag(dpo, "--lr") == "1e-4"
+    assert 100 <= int(flag(dpo, "--total_episodes")) <= 1000
+    assert flag(dpo, "--local_micro_batch_size") == "32" and flag(dpo, "--gradient_accumulation_steps") == "1"
+    assert flag(dpo, "--local_eval_batch_size") == "100"
+    assert "--run_eval" in dpo and not {"--deepspeed", "--offload", "--track"} & set(dpo)
+
+
+@pytest.mark.parametrize("name, missing", [("reward.sbatch", "SFT model"), ("ppo_left_padding.sbatch", "SFT model"),
+                                           ("dpo.sbatch", "SFT model")])
+def test_a_missing_earlier_model_stops_the_stage(repo, name, missing):
+    result, calls = chain(repo, task=1, names=(name,))
+    out = repo / "out/models/pythia-1b-deduped/sft_2"
+    assert result.returncode == 2 and not calls
+    assert f"no {missing} at {out}: did array task 1 of its job fail?" in result.stderr
 
 
 def test_blank_launcher_is_refused(repo):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end test of sbatches/: a throwaway one-node Slurm cluster on this machine runs the TINY=1
-# chain sft.sbatch -> reward.sbatch -> ppo_left_padding.sbatch (sbatch --parsable,
-# --dependency=afterany) and checks that every array task COMPLETED, was granted all of the node's
-# memory (--mem=0) and saved its model.
+# chain sft.sbatch -> reward.sbatch -> ppo_left_padding.sbatch, with dpo.sbatch after sft.sbatch
+# beside reward (sbatch --parsable, --dependency=afterany) and checks that every array task
+# COMPLETED, was granted all of the node's memory (--mem=0) and saved its model.
 #
 #   make test-slurm                      (or: sudo tests/slurm/test_sbatch_chain.sh)
 #
@@ -48,7 +48,7 @@ fi
 WORK=$(mktemp -d /tmp/test-slurm.XXXXXX)
 chmod 755 "$WORK"                       # munged runs as user munge and must reach $WORK/munge
 PIDS=()                                 # daemons started here, stopped in this order by cleanup
-JOBS=()                                 # the chain's three array jobs
+JOBS=()                                 # the chain's four array jobs
 cleanup() {
     local rc=$?
     set +e
@@ -161,10 +161,12 @@ rm=$(sbatch --parsable --dependency=afterany:"$sft" sbatches/reward.sbatch)
 JOBS+=("$rm")
 ppo=$(sbatch --parsable --dependency=afterany:"$rm" sbatches/ppo_left_padding.sbatch)
 JOBS+=("$ppo")
-log "submitted sft $sft -> reward $rm -> ppo $ppo, $NTASKS array tasks each" \
+dpo=$(sbatch --parsable --dependency=afterany:"$sft" sbatches/dpo.sbatch)
+JOBS+=("$dpo")
+log "submitted sft $sft -> reward $rm -> ppo $ppo, sft $sft -> dpo $dpo, $NTASKS array tasks each" \
     "(MODELS=$MODELS, SEEDS=$SEEDS)"
 
-# --- 4. wait: every array task of the three jobs in a final state ----------------------------------
+# --- 4. wait: every array task of the four jobs in a final state ----------------------------------
 # `scontrol -o show job ID` prints one line per array task (one line for the tasks still pending).
 states() { scontrol -o show job "$1" | sed -n 's/.*JobState=\([A-Z_]*\) .*/\1/p'; }
 finished() {
@@ -215,7 +217,7 @@ for id in "${JOBS[@]}"; do
 done
 for m in "${_models[@]}"; do
     for s in "${_seeds[@]}"; do
-        for stage in sft reward_model ppo; do
+        for stage in sft reward_model ppo dpo; do
             f=$OUTPUT_ROOT/models/$(basename "$m")/${stage}_$s/model.safetensors
             if [[ -s $f ]]; then log "ok: ${f#"$WORK"/}"; else echo "missing: $f" >&2; fail=1; fi
         done
@@ -223,5 +225,5 @@ for m in "${_models[@]}"; do
 done
 ((fail == 0)) || die "see above; logs in slurm/logs/"
 [[ ${KEEP:-0} == 1 ]] || for id in "${JOBS[@]}"; do rm -f slurm/logs/*_"${id}"_*.out; done
-log "PASS: $NTASKS x 3 array tasks COMPLETED with the node's memory, all models saved, in" \
+log "PASS: $NTASKS x ${#JOBS[@]} array tasks COMPLETED with the node's memory, all models saved, in" \
     "$((SECONDS - START)) s"

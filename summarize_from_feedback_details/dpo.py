@@ -1,0 +1,698 @@
+"""Direct preference optimisation on TL;DR preference pairs (the fourth stage of the paper's repo).
+
+    accelerate launch [--config_file deepspeed.yaml] summarize_from_feedback_details/dpo.py \\
+        --base_model EleutherAI/pythia-1b-deduped --sft_model_path models/sft_model --run_eval
+    python summarize_from_feedback_details/dpo.py --base_model models/tiny/pythia-tiny-m \\
+        --sft_model_path <sft.py output> --label_dataset data/tldr/preference --query_dataset data/tldr/sft \\
+        --response_length 32 --run_eval                                 # one process, CPU is fine
+
+Policy and reference both start from the SFT checkpoint; the reference is frozen (eval mode, no
+gradients, no dropout), as a DeepSpeed inference engine under DeepSpeed like PPO's frozen models.
+The log-probability of a response is the sum over its tokens, EOS included, read with the
+`query_{chosen,rejected}_token_response_label` columns (query and padding masked); chosen and
+rejected go through one forward. With h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)), the
+loss is -logsigmoid(beta h) (label smoothing and IPO behind flags), summed over the pairs and
+divided by the global batch, so micro-batch size, gradient accumulation and process count never
+change the update. Each pair is seen once per epoch across all ranks (one global order).
+
+The implicit rewards beta * (log pi - log ref) are logged under the reward model's metric names
+(`train/rm/accuracy`, `eval/rm/<split>/accuracy` by split, batch and confidence), so eval/ plots
+DPO next to reward.py. `--run_eval` also generates for the SFT validation and test queries at
+`temperature` and saves `<split>_table.csv`, the table eval/ judges. Only the policy is saved.
+
+Where this file deliberately differs from the paper's dpo.py (N_PLUS_DETAILS section 7): the loss
+is a mean over the global batch (the paper passed a per-pair vector to backward, which only works
+at micro-batch 1), one global data order (the paper shuffled per rank; `--rank_dependent_shuffle`
+brings that back), the reference in eval mode and in the training precision (the paper left it in
+train mode, in fp32), eval generation of `response_length` tokens (the paper: 128), and the
+response-label mask of tldr_dataset.py (no CNN/DM off-by-one).
+"""
+
+import contextlib
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast
+from datasets import load_dataset, load_from_disk
+from rich.console import Console
+from rich.progress import track
+from torch.utils.data import DataLoader
+from torch.utils.tensorboard import SummaryWriter
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+
+
+@dataclass
+class Args:
+    # common
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    seed: int = 1
+    run_name: Optional[str] = None
+    """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
+    deepspeed: bool = False
+    """assert that accelerate runs DeepSpeed and give it our micro-batch size"""
+    offload: bool = False
+    """DeepSpeed only: the frozen reference as a ZeRO-3 engine with its parameters offloaded to CPU"""
+    run_eval: bool = False
+    """after training: implicit-reward accuracy on `validation` and `validation_cnndm` (by split, batch
+    and confidence), and generation for the SFT validation and test queries, saved as tables"""
+
+    # optimizer
+    lr: float = 3e-6
+    eps: float = 1e-5
+    weight_decay: float = 0.01
+    """AdamW weight decay (the paper's runs got 0.01 silently from torch's default)"""
+    max_grad_norm: Optional[float] = None
+    """clip the global gradient norm at this value, the same way with and without DeepSpeed; unset or
+    <= 0: no clipping, which is what the paper's runs did (DESIGN section 4)"""
+    optimizer: Literal["adamw", "adam"] = "adamw"
+    scheduler: str = "cosine"
+    warm_up_steps: int = 0
+
+    # batch sizes (in preference pairs); local_batch_size = local_micro_batch_size *
+    # gradient_accumulation_steps, batch_size = local_batch_size * world_size
+    num_train_epochs: int = 1
+    gradient_accumulation_steps: int = 8
+    local_micro_batch_size: int = 1
+    batch_size: Optional[int] = None
+    """global batch: if given, gradient_accumulation_steps is derived from it (must divide exactly)"""
+    local_eval_batch_size: int = 1
+    """pairs (implicit-reward eval) or queries (generation) per process in the final eval"""
+    total_episodes: Optional[int] = None
+    """defaults to len(train split) * num_train_epochs"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, about a third more compute, the same update"""
+    rank_dependent_shuffle: bool = False
+    """the paper's data order: every rank shuffles the pairs with its own seed before accelerate
+    shards them, so ranks overlap and miss pairs (about 66% unique pairs per epoch on 8 GPUs)"""
+
+    # DPO
+    beta: float = 0.05
+    """inverse temperature of the implicit reward beta * (log pi - log ref)"""
+    label_smoothing: float = 0.0
+    """conservative DPO: the label is taken to be wrong with this probability"""
+    ipo: bool = False
+    """the IPO loss (h - 1 / (2 beta))^2 instead of DPO's"""
+
+    # model and data
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    """the tokenizer (and the hub repo name with --push_to_hub)"""
+    sft_model_path: str = "models/sft_model"
+    """policy and reference (a causal-LM checkpoint from sft.py)"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """the SFT dataset (hub name or local folder); its validation and test queries for --run_eval"""
+    label_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
+    """the preference dataset (hub name or a local `save_to_disk` folder from tldr_dataset.py)"""
+    response_length: int = 53
+    """new tokens generated in the final eval"""
+    temperature: float = 0.01
+    """sampling temperature of the final eval's generation (the paper's 0.01)"""
+
+    # tracking and output
+    track: bool = False
+    wandb_project_name: str = "tldr_summarize"
+    wandb_entity: Optional[str] = None
+    push_to_hub: bool = False
+    hf_entity: Optional[str] = None
+    output_dir: str = "models/dpo_model"
+
+    # filled in at run time
+    world_size: Optional[int] = None
+    local_batch_size: Optional[int] = None
+    num_updates: Optional[int] = None
+
+
+TRAIN_COLUMNS = ("query_chosen_token", "query_rejected_token", "query_chosen_token_response_label",
+                 "query_rejected_token_response_label")
+# kept next to the implicit rewards in the eval table (the columns of reward.py's table)
+EVAL_COLUMNS = ("query", "chosen", "rejected", "batch", "split", "extra", "choice", "policies", "chosen_policy",
+                "rejected_policy")
+QUERY_COLUMNS = ("query_token", "reference_response_token")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers (pure functions; tests import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def derive_batch_sizes(args: Args, world_size: int, dataset_len: int) -> None:
+    """Fills the derived batch fields; inexact divisions are errors."""
+    for name in ("local_micro_batch_size", "gradient_accumulation_steps", "local_eval_batch_size", "num_train_epochs"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    args.world_size = world_size
+    if args.batch_size is not None:
+        per_step = args.local_micro_batch_size * world_size
+        if args.batch_size % per_step:
+            raise ValueError(f"--batch_size {args.batch_size} is not divisible by local_micro_batch_size "
+                             f"{args.local_micro_batch_size} x world_size {world_size}")
+        args.gradient_accumulation_steps = args.batch_size // per_step
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * world_size
+    if args.total_episodes is None:
+        args.total_episodes = dataset_len * args.num_train_epochs
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        raise ValueError(f"total_episodes {args.total_episodes} < batch_size {args.batch_size}: no update possible")
+
+
+def clipping_norm(max_grad_norm: Optional[float]) -> Optional[float]:
+    """The gradient norm to clip at, or None for no clipping (unset or <= 0). torch's
+    clip_grad_norm_ at 0 would zero every gradient, and DeepSpeed reads 0 as "off": this makes both
+    backends agree."""
+    return max_grad_norm if max_grad_norm is not None and max_grad_norm > 0 else None
+
+
+def epoch_permutations(n: int, epochs: int, seed: int) -> list:
+    """A fresh permutation of range(n) per epoch, from the global seed only (identical on all ranks)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [i for _ in range(epochs) for i in torch.randperm(n, generator=generator).tolist()]
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Index of the first True of each row, or the row length when there is none."""
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:
+    """Tokens strictly after the first EOS become pad; the EOS itself stays."""
+    eos_index = first_true_indices(responses == eos_id).unsqueeze(-1)
+    after = torch.arange(responses.shape[1], device=responses.device).view(1, -1) > eos_index
+    return torch.masked_fill(responses, after, pad_id)
+
+
+def forward(model, input_ids: torch.Tensor, pad_id: int):
+    """Pad ids become a valid id and are masked out; positions count real tokens only (so left
+    padding changes nothing, also for models with absolute positions). No KV cache: nothing
+    generates from this pass, and a cache would hold every layer's keys and values."""
+    attention_mask = input_ids != pad_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
+                 position_ids=position_ids, use_cache=False, return_dict=True)
+
+
+def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
+    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` can never
+    be sampled (its logit is suppressed)."""
+    return GenerationConfig(
+        max_new_tokens=response_length, min_new_tokens=response_length, temperature=temperature + 1e-7,
+        top_k=0, top_p=1.0, do_sample=True, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+        suppress_tokens=[pad_id],
+    )
+
+
+@contextlib.contextmanager
+def without_stop_ids(model):
+    """generate() fills unset fields from the model's own generation config: an EOS id there would
+    make min_new_tokens suppress EOS at every step, so the policy could never emit it. Cleared for
+    the call only, so a saved model's plain generate() still stops at EOS."""
+    saved = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = saved
+
+
+@torch.no_grad()
+def generate(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig) -> torch.Tensor:
+    """Left-padded queries -> responses of exactly max_new_tokens tokens."""
+    attention_mask = queries != pad_id
+    with without_stop_ids(model):
+        output = model.generate(input_ids=torch.masked_fill(queries, ~attention_mask, 0),
+                                attention_mask=attention_mask, generation_config=config)
+    responses = output[:, queries.shape[1]:]
+    assert responses.shape[1] == config.max_new_tokens, "generation stopped early"
+    return responses
+
+
+def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Each row's summed log-probability of the tokens of `labels` that are not pad, each given the
+    tokens before it. With the response-label columns, query and padding are pad: exactly the
+    response counts, EOS included, with no length normalisation (as the paper)."""
+    targets = labels[:, 1:]
+    mask = targets != pad_id
+    token_logprobs = -F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets.masked_fill(~mask, 0),
+                                      reduction="none")
+    return (token_logprobs * mask).sum(1)
+
+
+def pair_logprobs(model, chosen: torch.Tensor, rejected: torch.Tensor, chosen_labels: torch.Tensor,
+                  rejected_labels: torch.Tensor, pad_id: int) -> tuple:
+    """Summed response log-probs of the chosen and the rejected rows, in ONE forward pass
+    (concatenated along the batch)."""
+    logits = forward(model, torch.cat([chosen, rejected]), pad_id).logits
+    logprobs = sequence_logprobs(logits, torch.cat([chosen_labels, rejected_labels]), pad_id)
+    return logprobs[: len(chosen)], logprobs[len(chosen):]
+
+
+def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+               ref_rejected: torch.Tensor, beta: float, label_smoothing: float, ipo: bool) -> torch.Tensor:
+    """Per-pair losses from summed log-probs, with h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)):
+    DPO -logsigmoid(beta h) (1 - ls) - logsigmoid(-beta h) ls; IPO (h - 1 / (2 beta))^2."""
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if ipo:
+        return (h - 1 / (2 * beta)) ** 2
+    return -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
+
+
+def implicit_rewards(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO's implicit reward of a response, beta * (log pi - log ref): what the policy learned to prefer."""
+    return beta * (policy_logprobs - ref_logprobs)
+
+
+def accuracy_breakdown(table: pd.DataFrame, split: str) -> dict:
+    """eval/rm/<split>/accuracy overall and by labeller split, batch and confidence."""
+    metrics = {f"eval/rm/{split}/accuracy": float(table["accuracy"].mean())}
+    for column in ("split", "batch", "confidence"):
+        for value, group in table.groupby(column, dropna=False, sort=True):
+            metrics[f"eval/rm/{split}/accuracy/{column}/{value}"] = float(group["accuracy"].mean())
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# setup helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def looks_local(path: str) -> bool:
+    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1
+
+
+def load_tokenizer(name: str):
+    if looks_local(name) and not os.path.isdir(name):
+        raise FileNotFoundError(f"model path {name} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="right")
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Pythia: a dedicated pad, never EOS
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(f"tokenizer {name}: pad token equals EOS ({tokenizer.eos_token!r}); EOS would never be "
+                         "learned. Use a dedicated pad token such as [PAD].")
+    return tokenizer
+
+
+def load_split_dataset(name: str, columns: tuple, kind: str = "SFT"):
+    if looks_local(name):
+        if not os.path.isdir(name):
+            raise FileNotFoundError(f"dataset {name} does not exist (build it with tldr_dataset.py)")
+        dataset = load_from_disk(name)
+    else:
+        dataset = load_dataset(name)
+    for split, ds in dataset.items():
+        missing = [c for c in columns if c not in ds.column_names]
+        if missing:
+            raise ValueError(f"dataset {name} split {split} lacks columns {missing}; is it the {kind} dataset "
+                             "written by tldr_dataset.py?")
+    return dataset
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Activation checkpointing of every layer, non-reentrant: the backward recomputes exactly the
+    forward it replaces (dropout is off), and no input needs requires_grad. transformers 5.23 renamed
+    the method; older 5.x only has the first name."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def check_model_path(path: str) -> None:
+    if looks_local(path) and not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path} does not exist")
+
+
+def frozen_dtype(mixed_precision: str) -> torch.dtype:
+    """The dtype of the reference policy and reward model, which never train: the mixed-precision
+    dtype when there is one (DeepSpeed would cast an fp32 copy to it anyway, after the host had held
+    it: 4 bytes per parameter per process instead of 2), else fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+
+
+def load_policy(path: str, tokenizer, dtype: torch.dtype = torch.float32):
+    """A causal LM in `dtype` whatever the checkpoint's (fp32 master weights for the trained policy;
+    mixed precision is accelerate's job)."""
+    check_model_path(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    disable_dropout(model)
+    return model
+
+
+def prepare_frozen(model, args: Args, accelerator: Accelerator):
+    """Reference policy and reward model: no gradients, eval mode. Under DeepSpeed they become
+    inference engines in the trainable model's precision (as the paper); with --offload, ZeRO-3
+    engines whose parameters live on the CPU and are gathered layer by layer for each forward."""
+    model.requires_grad_(False)
+    if accelerator.state.deepspeed_plugin is None:
+        return model.to(accelerator.device).eval()
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": args.local_micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
+        "fp16": {"enabled": accelerator.mixed_precision == "fp16"},
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+    }
+    if args.offload:
+        config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 1e4,
+                                       "offload_param": {"device": "cpu"}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
+
+def describe_frozen(model) -> str:
+    """How a frozen model is held (printed at startup, so a run shows its dtype and where --offload
+    put it)."""
+    dtype = next(model.parameters()).dtype
+    if not hasattr(model, "zero_optimization_stage"):
+        return f"plain module on {next(model.parameters()).device}, {dtype}"
+    offload = model.zero_offload_param()
+    device = getattr(offload.device, "value", offload.device) if offload is not None else "none"
+    local = sum(p.numel() for p in model.module.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.module.parameters())
+    return (f"DeepSpeed ZeRO-{model.zero_optimization_stage()} engine, {dtype}, parameter offload {device}, "
+            f"{local} of {total} parameters resident on this rank")
+
+
+class Logger:
+    """TensorBoard + metrics.jsonl (+ wandb: scalars via TensorBoard sync, and the eval tables) on the
+    main process only."""
+
+    def __init__(self, args: Args, accelerator: Accelerator):
+        self.main = accelerator.is_main_process
+        self.track = self.main and args.track
+        self.folder = os.path.join("runs", args.run_name)
+        if not self.main:
+            return
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=args.run_name, save_code=True)
+        os.makedirs(self.folder, exist_ok=True)
+        self.writer = SummaryWriter(self.folder)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in asdict(args).items()))
+        with open(os.path.join(self.folder, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        self.jsonl = open(os.path.join(self.folder, "metrics.jsonl"), "a")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.main:
+            return
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+
+    def table(self, name: str, frame: pd.DataFrame) -> None:
+        if self.main:
+            frame.to_csv(os.path.join(self.folder, f"{name}.csv"), index=False)
+        if self.track:  # eval/rlhf_scaling_plot.py judges this table from wandb
+            import wandb
+
+            wandb.log({name: wandb.Table(dataframe=frame)})
+
+    def close(self) -> None:
+        if self.main:
+            self.writer.close()
+            self.jsonl.close()
+        if self.track:
+            import wandb
+
+            wandb.finish()
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate_pairs(args: Args, accelerator: Accelerator, model, ref_policy, pad_id: int, dataloader, dataset) -> tuple:
+    """Implicit rewards of every pair of `dataset`, gathered without the duplicates that sharding
+    pads the last batch with; returns (metrics without prefix, eval table with reward.py's columns)."""
+    gathered = {k: [] for k in ("index", "policy_chosen", "policy_rejected", "ref_chosen", "ref_rejected")}
+    for batch in dataloader:
+        columns = [batch[c] for c in TRAIN_COLUMNS]
+        policy_chosen, policy_rejected = pair_logprobs(model, *columns, pad_id)
+        with accelerator.autocast():
+            ref_chosen, ref_rejected = pair_logprobs(ref_policy, *columns, pad_id)
+        values = accelerator.gather_for_metrics((batch["row_index"], policy_chosen, policy_rejected, ref_chosen,
+                                                 ref_rejected))
+        for key, value in zip(gathered, values):
+            gathered[key].append(value.cpu())
+    index, *logprobs = (torch.cat(v) for v in gathered.values())
+    losses = dpo_losses(*logprobs, args.beta, args.label_smoothing, args.ipo)
+    chosen, rejected = implicit_rewards(logprobs[0], logprobs[2], args.beta), implicit_rewards(logprobs[1], logprobs[3], args.beta)
+    rows = dataset.select(index.tolist())
+    table = pd.DataFrame({
+        "query": list(rows["query"]), "chosen": list(rows["chosen"]), "rejected": list(rows["rejected"]),
+        "batch": list(rows["batch"]), "split": list(rows["split"]),
+        # real data has rows without a confidence: keep them as their own "None" group
+        "confidence": [str(e["confidence"]) for e in rows["extra"]],
+        "choice": list(rows["choice"]), "policies": list(rows["policies"]),
+        "chosen_policy": list(rows["chosen_policy"]), "rejected_policy": list(rows["rejected_policy"]),
+        "accuracy": (chosen > rejected).float().numpy(),
+        "chosen_rewards": chosen.numpy(), "rejected_rewards": rejected.numpy(),
+    })
+    return {"loss": losses.mean().item(), "chosen_rewards": chosen.mean().item(),
+            "rejected_rewards": rejected.mean().item(), "reward_margin": (chosen - rejected).mean().item()}, table
+
+
+@torch.no_grad()
+def generation_table(accelerator: Accelerator, model, tokenizer, dataloader, gen_config) -> pd.DataFrame:
+    """The policy's response to every query of a split, truncated after EOS, next to the reference:
+    the table eval/ judges. Gathered without the duplicates that sharding pads the last batch with."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    unwrapped = accelerator.unwrap_model(model)
+    rows = []
+    for batch in dataloader:
+        responses = truncate_response(generate(unwrapped, batch["query_token"], pad_id, gen_config), eos_id, pad_id)
+        rows += accelerator.gather_for_metrics([
+            {"query": q, "postprocessed_response": r, "reference_responses": ref}
+            for q, r, ref in zip(
+                tokenizer.batch_decode(batch["query_token"], skip_special_tokens=True),
+                tokenizer.batch_decode(responses, skip_special_tokens=True),
+                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True),
+            )
+        ], use_gather_object=True)
+    return pd.DataFrame(rows, columns=["query", "postprocessed_response", "reference_responses"])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    # `batch_size` may set the accumulation steps: derive them before the Accelerator exists
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # CPU processes (tests, laptops) talk over gloo; a single plain process needs no group at all
+    distributed_cpu = "WORLD_SIZE" in os.environ and not torch.cuda.is_available()
+    kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else []
+    label_dataset = load_split_dataset(args.label_dataset, TRAIN_COLUMNS + EVAL_COLUMNS, kind="preference")
+    if "train" not in label_dataset:
+        raise ValueError(f"{args.label_dataset} needs a `train` split")
+    query_dataset = load_split_dataset(args.query_dataset, QUERY_COLUMNS) if args.run_eval else {}
+    derive_batch_sizes(args, world_size, len(label_dataset["train"]))
+    if args.beta <= 0:
+        raise ValueError(f"--beta must be > 0, got {args.beta}")
+    if not 0 <= args.label_smoothing < 0.5:
+        raise ValueError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
+    accelerator = Accelerator(
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        kwargs_handlers=kwargs_handlers,
+    )
+    assert accelerator.num_processes == world_size, (accelerator.num_processes, world_size)
+    console = Console()
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
+    if args.deepspeed and deepspeed_plugin is None:
+        raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
+                         "(accelerate launch --config_file deepspeed.yaml ...)")
+    if args.offload and deepspeed_plugin is None:
+        raise ValueError("--offload puts the frozen reference on DeepSpeed ZeRO-3: launch with a DeepSpeed "
+                         "accelerate config (accelerate launch --config_file deepspeed.yaml ...)")
+    clip_norm = clipping_norm(args.max_grad_norm)
+    if deepspeed_plugin is not None:
+        # our loader yields whole local batches: tell DeepSpeed the real micro-batch and clipping
+        # (accelerate would fill in 1.0 where nothing is set; DeepSpeed reads 0 as "off")
+        deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
+        deepspeed_plugin.deepspeed_config["gradient_clipping"] = clip_norm or 0.0
+
+    # run name: rank 0's clock, broadcast so every rank logs under one name
+    stamp = broadcast(torch.tensor(int(time.time()), device=accelerator.device), 0).item()
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{stamp}"
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    torch.backends.cudnn.deterministic = True
+    if accelerator.is_main_process:
+        console.print(f"world_size {world_size} x local_micro_batch_size {args.local_micro_batch_size} x "
+                      f"gradient_accumulation_steps {args.gradient_accumulation_steps} = batch_size {args.batch_size} "
+                      f"pairs; {args.num_updates} updates over {args.total_episodes} episodes "
+                      f"({args.total_episodes - args.num_updates * args.batch_size} left over); "
+                      f"weight_decay {args.weight_decay}; gradient clipping {clip_norm or 'off'}; "
+                      f"{'IPO' if args.ipo else 'DPO'} loss, beta {args.beta}, label smoothing {args.label_smoothing}")
+
+    tokenizer = load_tokenizer(args.base_model)
+    pad_id = tokenizer.pad_token_id
+    model = load_policy(args.sft_model_path, tokenizer)
+    ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+    optimizer = optimizer_class(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.scheduler, optimizer=optimizer, num_warmup_steps=args.warm_up_steps,
+                              num_training_steps=args.num_updates)
+
+    train = label_dataset["train"]
+    train = train.add_column("row_index", list(range(len(train)))).with_format(
+        "torch", columns=list(TRAIN_COLUMNS) + ["row_index"])
+    # One explicit order for every rank and world size; accelerate hands rank r the local batches
+    # r, r + world_size, ..., so global batch k is always order[k * batch_size : (k + 1) * batch_size]
+    # and every pair is seen once per epoch across all ranks (the original shuffled per rank, so
+    # ranks overlapped and missed pairs; --rank_dependent_shuffle brings that back).
+    order_seed = local_seed if args.rank_dependent_shuffle else args.seed
+    order = epoch_permutations(len(train), -(-args.total_episodes // len(train)), order_seed)
+    train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True)
+    eval_sets = {s: label_dataset[s] for s in ("validation", "validation_cnndm") if s in label_dataset}
+    eval_loaders = {
+        s: DataLoader(ds.add_column("row_index", list(range(len(ds)))).with_format(
+            "torch", columns=list(TRAIN_COLUMNS) + ["row_index"]), batch_size=args.local_eval_batch_size)
+        for s, ds in eval_sets.items()
+    }
+    query_loaders = {s: DataLoader(query_dataset[s].with_format("torch", columns=list(QUERY_COLUMNS)),
+                                   batch_size=args.local_eval_batch_size)
+                     for s in ("validation", "test") if s in query_dataset}
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    eval_loaders = {s: accelerator.prepare(dl) for s, dl in eval_loaders.items()}
+    query_loaders = {s: accelerator.prepare(dl) for s, dl in query_loaders.items()}
+    ref_policy = prepare_frozen(ref_policy, args, accelerator)
+    if accelerator.is_main_process:
+        if deepspeed_plugin is not None:  # what the engine really got
+            console.print(f"DeepSpeed engine: ZeRO-{model.zero_optimization_stage()}, "
+                          f"gradient_clipping {model.gradient_clipping()}")
+        console.print(f"reference policy: {describe_frozen(ref_policy)}", soft_wrap=True)
+    logger = Logger(args, accelerator)
+
+    model.train()
+    update = 0
+    trained_pairs = []  # (update, row index) of every pair trained on, over all ranks: train_pairs.csv
+    start = time.time()
+    for batch in track(train_loader, total=args.num_updates, description="dpo", disable=not accelerator.is_main_process):
+        if update == args.num_updates:
+            break
+        update += 1
+        lr = scheduler.get_last_lr()[0]  # the learning rate of this update
+        # sums over this rank's pairs: loss share, correct pairs, chosen and rejected implicit
+        # rewards, policy and reference log-probs of chosen and rejected
+        stats = torch.zeros(8, device=accelerator.device)
+        for micro_start in range(0, args.local_batch_size, args.local_micro_batch_size):
+            columns = [batch[c][micro_start: micro_start + args.local_micro_batch_size] for c in TRAIN_COLUMNS]
+            with torch.no_grad(), accelerator.autocast():
+                ref_chosen, ref_rejected = pair_logprobs(ref_policy, *columns, pad_id)
+            with accelerator.accumulate(model):
+                policy_chosen, policy_rejected = pair_logprobs(model, *columns, pad_id)
+                losses = dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
+                                    args.label_smoothing, args.ipo)
+                # this micro-batch's share of the mean over the global batch of pairs
+                loss = losses.sum() / args.batch_size
+                # accelerate divides by the accumulation steps and DDP averages over ranks: undo
+                # both so the gradient is exactly that of the global-batch mean loss
+                accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
+                if accelerator.sync_gradients and clip_norm is not None:  # (DeepSpeed clips inside its step)
+                    accelerator.clip_grad_norm_(model.parameters(), clip_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            with torch.no_grad():
+                chosen = implicit_rewards(policy_chosen, ref_chosen, args.beta)
+                rejected = implicit_rewards(policy_rejected, ref_rejected, args.beta)
+                stats += torch.stack([loss, (chosen > rejected).sum(), chosen.sum(), rejected.sum(), policy_chosen.sum(),
+                                      policy_rejected.sum(), ref_chosen.sum(), ref_rejected.sum()]).float()
+        scheduler.step()
+        stats = (accelerator.reduce(stats, "sum") / args.batch_size).tolist()
+        trained_pairs += [(update, i) for i in accelerator.gather(batch["row_index"]).tolist()]
+        global_step = update * args.batch_size  # x-axis: episodes (pairs) seen so far
+        logger.log({
+            "train/rm/loss": stats[0] * args.batch_size,
+            "train/rm/accuracy": stats[1],
+            "train/rm/chosen_rewards": stats[2],
+            "train/rm/rejected_rewards": stats[3],
+            "train/rm/reward_margin": stats[2] - stats[3],
+            "train/dpo/logps_chosen": stats[4],
+            "train/dpo/logps_rejected": stats[5],
+            "train/dpo/ref_logps_chosen": stats[6],
+            "train/dpo/ref_logps_rejected": stats[7],
+            "train/rm/lr": lr,
+            "train/rm/eps": global_step / (time.time() - start),
+        }, global_step)
+    global_step = update * args.batch_size
+    logger.table("train_pairs", pd.DataFrame(trained_pairs, columns=["update", "row_index"]))
+
+    if args.run_eval:
+        model.eval()
+        for split, loader in eval_loaders.items():
+            metrics, table = evaluate_pairs(args, accelerator, model, ref_policy, pad_id, loader, eval_sets[split])
+            logger.table(f"eval_{split}_table", table)
+            metrics = {**accuracy_breakdown(table, split), **{f"eval/rm/{split}/{k}": v for k, v in metrics.items()}}
+            logger.log(metrics, global_step)
+            if accelerator.is_main_process:
+                console.print(f"{split}: implicit-reward accuracy {metrics[f'eval/rm/{split}/accuracy']:.4f} over "
+                              f"{len(table)} pairs")
+        gen_config = generation_config(args.response_length, args.temperature, pad_id)
+        for split, loader in query_loaders.items():
+            table = generation_table(accelerator, model, tokenizer, loader, gen_config)
+            logger.table(f"{split}_table", table)
+            if accelerator.is_main_process:
+                console.print(f"{split}: {len(table)} responses, e.g. {table.iloc[0]['postprocessed_response']!r}")
+
+    if args.output_dir:
+        accelerator.wait_for_everyone()
+        state_dict = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(args.output_dir)
+            accelerator.unwrap_model(model).save_pretrained(args.output_dir, state_dict=state_dict)
+            if args.push_to_hub:
+                push_to_hub(args, accelerator.unwrap_model(model), tokenizer, state_dict)
+    if torch.cuda.is_available() and accelerator.is_main_process:
+        console.print(f"peak GPU memory of rank 0: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
+    logger.close()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def push_to_hub(args: Args, model, tokenizer, state_dict) -> None:
+    from huggingface_hub import HfApi
+
+    entity = args.hf_entity or HfApi().whoami()["name"]
+    repo_id = f"{entity}/{args.base_model.replace('/', '_')}__{args.exp_name}__tldr"
+    tokenizer.push_to_hub(repo_id, revision=args.run_name)
+    model.push_to_hub(repo_id, revision=args.run_name, state_dict=state_dict)
+    print(f"pushed https://huggingface.co/{repo_id}/tree/{args.run_name}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,320 @@
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+from datasets import load_from_disk
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import accelerate_launcher, run_in_process, run_script
+from summarize_from_feedback_details import dpo, ppo_left_padding, reward, sft
+
+PAD, EOS = 1, 0  # the tiny tokenizer's ids
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "dpo.py")
+DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu.yaml")
+
+
+def sft_model(models_dir):
+    """The SFT stand-in: the tiny base model."""
+    return os.path.join(models_dir, "pythia-tiny-s")
+
+
+# ---------------------------------------------------------------------------------------------
+# known answers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sequence_logprobs_count_the_response_with_its_eos_only():
+    """Row 0: [query q q | response r EOS | pad]; the label column has the query and padding as pad."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 5)
+    labels = torch.tensor([[PAD, PAD, PAD, 3, EOS, PAD],    # response (3, EOS) at positions 3-4
+                           [PAD, 4, 2, 2, EOS, PAD]])       # response (4, 2, 2, EOS) at positions 1-4
+    logprobs = torch.log_softmax(logits, -1)
+    expected = torch.stack([logprobs[0, 2, 3] + logprobs[0, 3, EOS],
+                            logprobs[1, 0, 4] + logprobs[1, 1, 2] + logprobs[1, 2, 2] + logprobs[1, 3, EOS]])
+    assert torch.allclose(dpo.sequence_logprobs(logits, labels, PAD), expected, atol=1e-6)
+    # the same sums as SFT's response-only loss, with the sign flipped
+    loss_sums, counts = sft.sequence_losses(logits, labels, PAD)
+    assert torch.allclose(dpo.sequence_logprobs(logits, labels, PAD), -loss_sums) and counts.tolist() == [2, 4]
+
+
+def test_response_label_columns_mask_the_query_and_padding(tiny_datasets, tokenizer):
+    """In the tiny preference data the label column keeps exactly the response tokens: the row's
+    tokens after the query, ending with the EOS, then padding."""
+    train = load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"]
+    for name in ("chosen", "rejected"):
+        for row in train.select(range(20)):
+            ids, labels = row[f"query_{name}_token"], row[f"query_{name}_token_response_label"]
+            kept = [i for i, label in enumerate(labels) if label != PAD]
+            assert kept == list(range(kept[0], kept[-1] + 1))  # one contiguous span
+            assert [ids[i] for i in kept] == [labels[i] for i in kept] and labels[kept[-1]] == EOS
+            assert kept[-1] + 1 == row[f"query_{name}_token_len"]  # ends where the row's padding starts
+            assert ids[:kept[0]] == tokenizer.encode(row["query"].strip())
+
+
+def test_dpo_ipo_and_label_smoothing_known_answers():
+    policy_chosen, policy_rejected = torch.tensor([-10.0, -4.0]), torch.tensor([-12.0, -3.0])
+    ref_chosen, ref_rejected = torch.tensor([-11.0, -4.0]), torch.tensor([-11.0, -4.0])
+    # h = (pc - pr) - (rc - rr) = [2 - 0, -1 - 0]
+    h = torch.tensor([2.0, -1.0])
+    beta = 0.5
+    dpo_loss = dpo.dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, 0.0, False)
+    assert torch.allclose(dpo_loss, torch.log1p(torch.exp(-beta * h)))
+    smoothed = dpo.dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, 0.1, False)
+    assert torch.allclose(smoothed, 0.9 * torch.log1p(torch.exp(-beta * h)) + 0.1 * torch.log1p(torch.exp(beta * h)))
+    ipo = dpo.dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, 0.0, True)
+    assert torch.allclose(ipo, torch.tensor([(2.0 - 1.0) ** 2, (-1.0 - 1.0) ** 2]))
+    assert torch.allclose(dpo.implicit_rewards(policy_chosen, ref_chosen, beta), torch.tensor([0.5, 0.0]))
+    # policy == reference: every loss is log 2 and every reward 0
+    zero = dpo.dpo_losses(ref_chosen, ref_rejected, ref_chosen, ref_rejected, 0.05, 0.0, False)
+    assert torch.allclose(zero, torch.full((2,), math.log(2)))
+
+
+# ---------------------------------------------------------------------------------------------
+# runs of the script
+# ---------------------------------------------------------------------------------------------
+
+
+def dpo_args(tiny_datasets, models_dir, workdir, name, **overrides) -> dpo.Args:
+    data_dir, _ = tiny_datasets
+    args = dpo.Args(base_model=sft_model(models_dir), sft_model_path=sft_model(models_dir),
+                    label_dataset=os.path.join(data_dir, "preference"), query_dataset=os.path.join(data_dir, "sft"),
+                    output_dir=os.path.join(workdir, name), run_name=name, seed=3, lr=1e-3, response_length=32,
+                    local_eval_batch_size=64)
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def read_metrics(workdir, name) -> list:
+    with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def run_dpo(tiny_datasets, models_dir, workdir, name, **overrides):
+    """dpo.main in this process: (per-update metrics, all metric lines, saved weights)."""
+    run_in_process(dpo.main, dpo_args(tiny_datasets, models_dir, workdir, name, **overrides), workdir)
+    lines = read_metrics(workdir, name)
+    return ([m for m in lines if "train/rm/loss" in m], lines,
+            load_file(os.path.join(workdir, name, "model.safetensors")))
+
+
+def assert_same_params(a, b, rtol, atol):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=rtol, atol=atol), (key, (a[key] - b[key]).abs().max())
+
+
+def curve(train, key="train/rm/loss"):
+    return [m[key] for m in train]
+
+
+KEY = "gpt_neox.layers.0.attention.dense.weight"
+
+
+def test_micro_batch_split_gives_the_same_update(tiny_datasets, models_dir, tmp_path):
+    """A fixed local batch of 4 pairs: micro-batch 1 x accumulation 4 == 4 x 1. With Adam eps 1 the
+    update is ~ lr * gradient, so a loss normalised per micro-batch would move the weights 4x more."""
+    common = dict(total_episodes=8, lr=0.1, eps=1.0)
+    m1, _, p1 = run_dpo(tiny_datasets, models_dir, str(tmp_path), "micro1", local_micro_batch_size=1,
+                        gradient_accumulation_steps=4, **common)
+    m4, _, p4 = run_dpo(tiny_datasets, models_dir, str(tmp_path), "micro4", local_micro_batch_size=4,
+                        gradient_accumulation_steps=1, **common)
+    assert len(m1) == 2
+    for key in ("train/rm/loss", "train/rm/accuracy", "train/rm/chosen_rewards", "train/dpo/logps_rejected"):
+        assert curve(m1, key) == pytest.approx(curve(m4, key), rel=1e-5, abs=1e-7), key
+    assert_same_params(p1, p4, rtol=1e-5, atol=1e-6)
+    base = load_file(os.path.join(sft_model(models_dir), "model.safetensors"))
+    assert (p1[KEY] - base[KEY]).abs().max() > 1e-5  # moved far beyond the tolerance above
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_datasets, models_dir, tmp_path_factory):
+    """4 updates of 16 pairs with the final eval."""
+    workdir = str(tmp_path_factory.mktemp("dpo_run"))
+    train, lines, params = run_dpo(tiny_datasets, models_dir, workdir, "dpo", total_episodes=64,
+                                   local_micro_batch_size=8, gradient_accumulation_steps=2, run_eval=True)
+    return workdir, train, lines, params
+
+
+def test_first_update_starts_from_the_reference_and_training_separates_the_pairs(trained):
+    _, train, _, _ = trained
+    first = train[0]  # logged before the first step: policy == reference
+    assert first["train/rm/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["train/rm/chosen_rewards"] == first["train/rm/rejected_rewards"] == 0
+    assert first["train/dpo/logps_chosen"] == first["train/dpo/ref_logps_chosen"]
+    assert train[-1]["train/rm/reward_margin"] > 0  # (measured before that update's step: unseen pairs)
+
+
+def test_the_reference_never_changes(trained, tiny_datasets, models_dir):
+    """The reference log-probs logged at every update are those of the SFT checkpoint on that
+    update's pairs (train_pairs.csv), computed here independently."""
+    workdir, train, _, _ = trained
+    pairs = pd.read_csv(os.path.join(workdir, "runs", "dpo", "train_pairs.csv"))
+    data = load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"].with_format("torch")
+    model = AutoModelForCausalLM.from_pretrained(sft_model(models_dir)).eval()
+    for update, m in enumerate(train, start=1):
+        rows = data.select(pairs[pairs["update"] == update]["row_index"].tolist())[:]
+        with torch.no_grad():
+            chosen, rejected = dpo.pair_logprobs(model, *(rows[c] for c in dpo.TRAIN_COLUMNS), PAD)
+        assert m["train/dpo/ref_logps_chosen"] == pytest.approx(chosen.mean().item(), rel=1e-5)
+        assert m["train/dpo/ref_logps_rejected"] == pytest.approx(rejected.mean().item(), rel=1e-5)
+    # while the policy moved away from it
+    assert train[-1]["train/dpo/logps_chosen"] != pytest.approx(train[-1]["train/dpo/ref_logps_chosen"], rel=1e-4)
+
+
+def test_eval_reports_implicit_reward_accuracy_like_the_reward_model(trained, tiny_datasets):
+    workdir, _, lines, _ = trained
+    final = {k: v for m in lines for k, v in m.items()}
+    preference = load_from_disk(os.path.join(tiny_datasets[0], "preference"))
+    for split in ("validation", "validation_cnndm"):
+        table = pd.read_csv(os.path.join(workdir, "runs", "dpo", f"eval_{split}_table.csv"), keep_default_na=False)
+        assert len(table) == len(preference[split])  # every pair once, no sharding duplicates
+        assert list(table.columns) == list(pd.read_csv(os.path.join(workdir, "runs", "dpo",
+                                                                    f"eval_{split}_table.csv")).columns)
+        assert final[f"eval/rm/{split}/accuracy"] == pytest.approx(table["accuracy"].mean())
+        assert final[f"eval/rm/{split}/reward_margin"] == pytest.approx(
+            (table["chosen_rewards"] - table["rejected_rewards"]).mean(), abs=1e-6)
+        expected = reward.accuracy_breakdown(table, split)
+        assert {k: final[k] for k in expected} == pytest.approx(expected)
+        assert any(k.startswith(f"eval/rm/{split}/accuracy/confidence/") for k in final)
+    # the generation tables that eval/rlhf_scaling_plot.py judges
+    sft_data = load_from_disk(os.path.join(tiny_datasets[0], "sft"))
+    for split in ("validation", "test"):
+        table = pd.read_csv(os.path.join(workdir, "runs", "dpo", f"{split}_table.csv"), keep_default_na=False)
+        assert list(table.columns) == ["query", "postprocessed_response", "reference_responses"]
+        assert len(table) == len(sft_data[split])
+        assert sorted(table["query"]) == sorted(q.strip() for q in sft_data[split]["query"])
+
+
+def test_saved_policy_is_a_plain_causal_lm(trained, monkeypatch):
+    workdir, _, _, params = trained
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(workdir, "dpo"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(workdir, "dpo"))
+    assert type(model).__name__ == "GPTNeoXForCausalLM" and tokenizer.pad_token_id == PAD
+    assert torch.equal(model.state_dict()[KEY], params[KEY])
+    assert model.generation_config.eos_token_id == EOS
+
+
+def test_ipo_and_label_smoothing_train(tiny_datasets, models_dir, tmp_path):
+    """The flags reach the loss: before the first step IPO's loss is (1 / (2 beta))^2, and smoothed
+    DPO's is still log 2."""
+    common = dict(total_episodes=16, local_micro_batch_size=8, gradient_accumulation_steps=1)
+    ipo, _, _ = run_dpo(tiny_datasets, models_dir, str(tmp_path), "ipo", ipo=True, beta=0.5, **common)
+    assert ipo[0]["train/rm/loss"] == pytest.approx(1.0, rel=1e-6)
+    smoothed, _, _ = run_dpo(tiny_datasets, models_dir, str(tmp_path), "smooth", label_smoothing=0.2, **common)
+    assert smoothed[0]["train/rm/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert ipo[1]["train/rm/loss"] != smoothed[1]["train/rm/loss"]
+
+
+def test_gradient_checkpointing_changes_nothing(tiny_datasets, models_dir, tmp_path, attention_calls):
+    """2 updates of 2 micro-batches: bit-identical, and 2 layers x 4 micro-batches more attention calls."""
+    common = dict(total_episodes=8, local_micro_batch_size=2, gradient_accumulation_steps=2)
+    plain, _, p_plain = run_dpo(tiny_datasets, models_dir, str(tmp_path), "plain", **common)
+    calls_plain = len(attention_calls)
+    checkpointed, _, p_checkpointed = run_dpo(tiny_datasets, models_dir, str(tmp_path), "checkpointed",
+                                              gradient_checkpointing=True, **common)
+    assert len(attention_calls) - calls_plain == calls_plain + 2 * 4
+    assert [{k: v for k, v in m.items() if k != "train/rm/eps"} for m in plain] == \
+        [{k: v for k, v in m.items() if k != "train/rm/eps"} for m in checkpointed]
+    assert_same_params(p_plain, p_checkpointed, rtol=0, atol=0)
+
+
+def launch_dpo(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()):
+    """dpo.py as a user launches it: (stdout, per-update metrics, weights, train_pairs table)."""
+    data_dir, _ = tiny_datasets
+    cmd = [*(launcher or [sys.executable]), SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
+           sft_model(models_dir), "--label_dataset", os.path.join(data_dir, "preference"), "--output_dir",
+           str(tmp_path / name), "--run_name", name, "--seed", "3", *flags]
+    result = run_script(cmd, tmp_path)
+    train = [m for m in read_metrics(str(tmp_path), name) if "train/rm/loss" in m]
+    pairs = pd.read_csv(tmp_path / "runs" / name / "train_pairs.csv")
+    return result.stdout, train, load_file(str(tmp_path / name / "model.safetensors")), pairs
+
+
+@pytest.mark.slow
+def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(tiny_datasets, models_dir, tmp_path):
+    """Two epochs of the 300 training pairs, global batch 30: one process (micro 5 x accumulation 6)
+    and two processes (5 x 3 each) see the same pairs in the same updates, every pair exactly once
+    per epoch across both ranks, and give the same curves and weights (Adam eps 1: update ~ lr * g)."""
+    n = len(load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"])
+    common = ("--num_train_epochs", "2", "--local_micro_batch_size", "5", "--lr", "0.05", "--eps", "1")
+    _, one, p_one, pairs_one = launch_dpo(tiny_datasets, models_dir, tmp_path, "one",
+                                          "--gradient_accumulation_steps", "6", *common)
+    out, two, p_two, pairs_two = launch_dpo(tiny_datasets, models_dir, tmp_path, "two",
+                                            "--gradient_accumulation_steps", "3", *common,
+                                            launcher=accelerate_launcher(2))
+    assert "world_size 2" in out and n == 300 and len(two) == 2 * n // 30
+    epochs = [pairs_two["row_index"][:n], pairs_two["row_index"][n:]]
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(n))
+    assert list(epochs[0]) != list(epochs[1])
+    for (_, a), (_, b) in zip(pairs_one.groupby("update"), pairs_two.groupby("update")):
+        assert sorted(a["row_index"]) == sorted(b["row_index"])
+    assert curve(one) == pytest.approx(curve(two), rel=1e-5)
+    assert curve(one, "train/rm/accuracy") == pytest.approx(curve(two, "train/rm/accuracy"), abs=1e-9)
+    assert_same_params(p_one, p_two, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_matches_ddp(tiny_datasets, models_dir, tmp_path):
+    """Global batch 8 for 3 updates on 2 processes: DeepSpeed ZeRO-2 (the reference as a DeepSpeed
+    inference engine) == plain PyTorch DDP."""
+    common = ("--total_episodes", "24", "--local_micro_batch_size", "2", "--gradient_accumulation_steps", "2",
+              "--lr", "0.05", "--eps", "1")
+    _, plain, p_plain, _ = launch_dpo(tiny_datasets, models_dir, tmp_path, "plain", *common,
+                                      launcher=accelerate_launcher(2))
+    out, ds, p_ds, _ = launch_dpo(tiny_datasets, models_dir, tmp_path, "ds", "--deepspeed", *common,
+                                  launcher=accelerate_launcher(2, DS_CONFIG))
+    assert "DeepSpeed engine: ZeRO-2, gradient_clipping 0.0" in out
+    assert "reference policy: DeepSpeed ZeRO-0 engine, torch.float32" in " ".join(out.split())
+    assert len(ds) == 3
+    for key in ("train/rm/loss", "train/rm/chosen_rewards", "train/dpo/ref_logps_chosen"):
+        assert curve(plain, key) == pytest.approx(curve(ds, key), rel=1e-5), key
+    assert_same_params(p_plain, p_ds, rtol=1e-4, atol=1e-6)
+
+
+def test_clear_errors(tiny_datasets, models_dir, tmp_path):
+    data_dir, _ = tiny_datasets
+
+    def fails(*flags):
+        result = subprocess.run([sys.executable, SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
+                                 sft_model(models_dir), "--output_dir", str(tmp_path / "x"), *flags],
+                                capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        assert result.returncode != 0
+        return result.stderr
+
+    preference = os.path.join(data_dir, "preference")
+    assert "lacks columns" in fails("--label_dataset", os.path.join(data_dir, "sft"))
+    assert "does not exist (build it with tldr_dataset.py)" in fails("--label_dataset", "./nope")
+    assert "accelerate is not configured for DeepSpeed" in fails("--label_dataset", preference, "--deepspeed")
+    assert "--offload puts the frozen reference on DeepSpeed" in fails("--label_dataset", preference, "--offload")
+    assert "--beta must be > 0" in fails("--label_dataset", preference, "--beta", "0")
+    assert "/no/such/sft does not exist" in fails("--label_dataset", preference, "--sft_model_path", "/no/such/sft")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers repeated from the other stages on purpose (one self-contained file per stage)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module,name", [
+    *((sft, n) for n in ("derive_batch_sizes", "clipping_norm", "epoch_permutations", "first_true_indices",
+                         "truncate_response", "forward", "generation_config", "without_stop_ids", "generate",
+                         "looks_local", "load_tokenizer", "load_split_dataset", "disable_dropout",
+                         "enable_gradient_checkpointing", "Logger", "push_to_hub")),
+    (reward, "accuracy_breakdown"),
+    *((ppo_left_padding, n) for n in ("check_model_path", "frozen_dtype", "load_policy", "prepare_frozen",
+                                      "describe_frozen")),
+])
+def test_copies_of_other_stages_helpers_are_identical(module, name):
+    assert inspect.getsource(getattr(dpo, name)) == inspect.getsource(getattr(module, name))
