@@ -272,6 +272,22 @@ def implicit_rewards(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, 
     return beta * (policy_logprobs - ref_logprobs)
 
 
+def pair_table(dataset, indices: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> pd.DataFrame:
+    """The eval table of a preference split: each pair's text and labeller metadata (rows `indices`
+    of `dataset`) next to the rewards of its chosen and rejected response."""
+    rows = dataset.select(indices.tolist())
+    return pd.DataFrame({
+        "query": list(rows["query"]), "chosen": list(rows["chosen"]), "rejected": list(rows["rejected"]),
+        "batch": list(rows["batch"]), "split": list(rows["split"]),
+        # real data has rows without a confidence: keep them as their own "None" group
+        "confidence": [str(e["confidence"]) for e in rows["extra"]],
+        "choice": list(rows["choice"]), "policies": list(rows["policies"]),
+        "chosen_policy": list(rows["chosen_policy"]), "rejected_policy": list(rows["rejected_policy"]),
+        "accuracy": (chosen > rejected).float().numpy(),
+        "chosen_rewards": chosen.numpy(), "rejected_rewards": rejected.numpy(),
+    })
+
+
 def accuracy_breakdown(table: pd.DataFrame, split: str) -> dict:
     """eval/rm/<split>/accuracy overall and by labeller split, batch and confidence."""
     metrics = {f"eval/rm/{split}/accuracy": float(table["accuracy"].mean())}
@@ -467,17 +483,7 @@ def evaluate_pairs(args: Args, accelerator: Accelerator, model, ref_policy, pad_
     index, *logprobs = (torch.cat(v) for v in gathered.values())
     losses = dpo_losses(*logprobs, args.beta, args.label_smoothing, args.ipo)
     chosen, rejected = implicit_rewards(logprobs[0], logprobs[2], args.beta), implicit_rewards(logprobs[1], logprobs[3], args.beta)
-    rows = dataset.select(index.tolist())
-    table = pd.DataFrame({
-        "query": list(rows["query"]), "chosen": list(rows["chosen"]), "rejected": list(rows["rejected"]),
-        "batch": list(rows["batch"]), "split": list(rows["split"]),
-        # real data has rows without a confidence: keep them as their own "None" group
-        "confidence": [str(e["confidence"]) for e in rows["extra"]],
-        "choice": list(rows["choice"]), "policies": list(rows["policies"]),
-        "chosen_policy": list(rows["chosen_policy"]), "rejected_policy": list(rows["rejected_policy"]),
-        "accuracy": (chosen > rejected).float().numpy(),
-        "chosen_rewards": chosen.numpy(), "rejected_rewards": rejected.numpy(),
-    })
+    table = pair_table(dataset, index, chosen, rejected)
     return {"loss": losses.mean().item(), "chosen_rewards": chosen.mean().item(),
             "rejected_rewards": rejected.mean().item(), "reward_margin": (chosen - rejected).mean().item()}, table
 

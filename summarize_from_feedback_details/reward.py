@@ -261,6 +261,22 @@ def same_real_tokens(a: torch.Tensor, b: torch.Tensor, pad_id: int) -> torch.Ten
     return (compact(a) == compact(b)).all(1)
 
 
+def pair_table(dataset, indices: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> pd.DataFrame:
+    """The eval table of a preference split: each pair's text and labeller metadata (rows `indices`
+    of `dataset`) next to the rewards of its chosen and rejected response."""
+    rows = dataset.select(indices.tolist())
+    return pd.DataFrame({
+        "query": list(rows["query"]), "chosen": list(rows["chosen"]), "rejected": list(rows["rejected"]),
+        "batch": list(rows["batch"]), "split": list(rows["split"]),
+        # real data has rows without a confidence: keep them as their own "None" group
+        "confidence": [str(e["confidence"]) for e in rows["extra"]],
+        "choice": list(rows["choice"]), "policies": list(rows["policies"]),
+        "chosen_policy": list(rows["chosen_policy"]), "rejected_policy": list(rows["rejected_policy"]),
+        "accuracy": (chosen > rejected).float().numpy(),
+        "chosen_rewards": chosen.numpy(), "rejected_rewards": rejected.numpy(),
+    })
+
+
 def accuracy_breakdown(table: pd.DataFrame, split: str) -> dict:
     """eval/rm/<split>/accuracy overall and by labeller split, batch and confidence."""
     metrics = {f"eval/rm/{split}/accuracy": float(table["accuracy"].mean())}
@@ -409,17 +425,7 @@ def evaluate(accelerator: Accelerator, model, pad_id: int, dataloader, dataset) 
         chosen.append(c.float().cpu())
         rejected.append(r.float().cpu())
     indices, chosen, rejected = torch.cat(indices), torch.cat(chosen), torch.cat(rejected)
-    rows = dataset.select(indices.tolist())
-    table = pd.DataFrame({
-        "query": list(rows["query"]), "chosen": list(rows["chosen"]), "rejected": list(rows["rejected"]),
-        "batch": list(rows["batch"]), "split": list(rows["split"]),
-        # real data has rows without a confidence: keep them as their own "None" group
-        "confidence": [str(e["confidence"]) for e in rows["extra"]],
-        "choice": list(rows["choice"]), "policies": list(rows["policies"]),
-        "chosen_policy": list(rows["chosen_policy"]), "rejected_policy": list(rows["rejected_policy"]),
-        "accuracy": (chosen > rejected).float().numpy(),
-        "chosen_rewards": chosen.numpy(), "rejected_rewards": rejected.numpy(),
-    })
+    table = pair_table(dataset, indices, chosen, rejected)
     loss = -F.logsigmoid(chosen - rejected).mean().item()
     return {"loss": loss, "chosen_rewards": chosen.mean().item(), "rejected_rewards": rejected.mean().item()}, table
 

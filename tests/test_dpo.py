@@ -312,6 +312,7 @@ def test_clear_errors(tiny_datasets, models_dir, tmp_path):
                          "truncate_response", "forward", "generation_config", "without_stop_ids", "generate",
                          "looks_local", "load_tokenizer", "load_split_dataset", "disable_dropout",
                          "enable_gradient_checkpointing", "Logger", "push_to_hub")),
+    (reward, "pair_table"),
     (reward, "accuracy_breakdown"),
     *((ppo_left_padding, n) for n in ("check_model_path", "frozen_dtype", "load_policy", "prepare_frozen",
                                       "describe_frozen")),

@@ -1,4 +1,4 @@
-"""`make test-gpu`: sft.py, reward.py and ppo_left_padding.py on one GPU with bf16 and DeepSpeed
+"""`make test-gpu`: sft.py, reward.py, ppo_left_padding.py and dpo.py on one GPU with bf16 and DeepSpeed
 ZeRO-2 (the paper's deepspeed.yaml on one process), a few updates each, on a randomly initialised
 model of Pythia-410m's shape (vocab 50304; no hub is reachable there either) and data tokenized to
 the paper's lengths (query 512, response 53). Skipped without CUDA and not part of `make test`.
@@ -78,7 +78,8 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
     tldr_dataset.run(tldr_dataset.Args(base_model=base, sft_dataset=os.path.join(raw_dir, "tldr_sft"),
                                        preference_dataset=os.path.join(raw_dir, "comparisons"), output_dir=data))
     sft_data, preference_data = os.path.join(data, "sft"), os.path.join(data, "preference")
-    out = {"sft": str(tmp_path / "sft"), "reward": str(tmp_path / "rm"), "ppo_left_padding": str(tmp_path / "ppo")}
+    out = {"sft": str(tmp_path / "sft"), "reward": str(tmp_path / "rm"), "ppo_left_padding": str(tmp_path / "ppo"),
+           "dpo": str(tmp_path / "dpo")}
     stdout = {
         "sft": launch("sft", setting, tmp_path, "--base_model", base, "--query_dataset", sft_data, "--output_dir",
                       out["sft"], "--total_episodes", "64", "--local_eval_batch_size", "32", *BATCH),
@@ -90,6 +91,9 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
             "--reward_model_path", out["reward"], "--query_dataset", sft_data, "--output_dir", out["ppo_left_padding"],
             "--total_episodes", "64", "--nminibatches", "2", "--local_rollout_forward_batch_size", "16",
             "--local_eval_batch_size", "16", *BATCH),
+        "dpo": launch("dpo", setting, tmp_path, "--base_model", base, "--sft_model_path", out["sft"],
+                      "--label_dataset", preference_data, "--query_dataset", sft_data, "--output_dir", out["dpo"],
+                      "--total_episodes", "64", "--local_eval_batch_size", "16", *BATCH),
     }
     metrics = {stage: read_metrics(tmp_path, stage) for stage in stdout}
     for stage, lines in metrics.items():
@@ -101,6 +105,9 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
     for m in ppo:  # generation logprobs == training logprobs in bf16: the N+ sanity check
         assert m["ppo/val/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-2)
         assert m["ppo/policy/approxkl_first_minibatch"] < 1e-3
+    dpo = [m for m in metrics["dpo"] if "train/rm/loss" in m]
+    # before its first step the policy is the reference (bf16 policy vs bf16 reference engine)
+    assert len(dpo) == 4 and dpo[0]["train/rm/loss"] == pytest.approx(math.log(2), abs=1e-2)
     normalization_error = [m for m in metrics["reward"] if "eval/rm/normalization_max_error" in m][0]
     assert normalization_error["eval/rm/normalization_max_error"] < 1e-2
 
@@ -109,14 +116,15 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
     tokenizer = AutoTokenizer.from_pretrained(out["ppo_left_padding"])
     query = torch.tensor([tokenizer.encode("SUBREDDIT: r/relationships\n\nTITLE: help\n\nPOST: hi\n\nTL;DR:")],
                          device=device)
-    for stage in ("sft", "ppo_left_padding"):
+    for stage in ("sft", "ppo_left_padding", "dpo"):
         model = AutoModelForCausalLM.from_pretrained(out[stage]).to(device)
         assert model.generate(query, max_new_tokens=8, do_sample=False).shape[1] > query.shape[1]
     rm = AutoModelForSequenceClassification.from_pretrained(out["reward"]).to(device)
     assert torch.isfinite(rm(query).logits).all()
 
     report = []
-    for stage, eps_key in (("sft", "train/sft/eps"), ("reward", "train/rm/eps"), ("ppo_left_padding", "ppo/eps")):
+    for stage, eps_key in (("sft", "train/sft/eps"), ("reward", "train/rm/eps"), ("ppo_left_padding", "ppo/eps"),
+                           ("dpo", "train/rm/eps")):
         peak = re.search(r"peak GPU memory of rank 0: ([\d.]+) GiB", stdout[stage])
         assert (peak is not None) == (setting == "gpu"), stage
         report.append(f"{stage}: {seconds_per_update(metrics[stage], eps_key, 16 if stage != 'ppo_left_padding' else 32):.2f} "
