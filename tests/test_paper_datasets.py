@@ -1,7 +1,7 @@
 """The paper's pre-tokenized hub datasets are every stage's default. Their columns, from the paper's
 tldr_dataset.py at the commit that wrote them (vwxyzjn/summarize_from_feedback_details bed5a4d,
 datasets `vwxyzjn/summarize_from_feedback{_tldr_3_filtered,}_oai_preprocessing_1706381144`), are a
-subset of ours: every stage must run on exactly those columns."""
+subset of ours: every training stage must run on exactly those columns."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import pytest
 from datasets import load_from_disk
 
 from conftest import run_in_process
+from summarize_from_feedback_details import dpo
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import reward, sft
 
@@ -55,7 +56,8 @@ def last_metrics(workdir, name) -> dict:
 
 def test_every_stage_runs_on_the_papers_columns(paper_datasets, models_dir, tmp_path):
     """A few updates of SFT (response-only loss, so the label column is read too, and eval), the
-    reward model (with eval and normalisation) and PPO (with eval), chained, on the paper's columns."""
+    reward model (with eval and normalisation), PPO and DPO (with eval), chained, on the paper's
+    columns."""
     base, workdir = os.path.join(models_dir, "pythia-tiny-s"), str(tmp_path)
     sft_data, preference_data = os.path.join(paper_datasets, "sft"), os.path.join(paper_datasets, "preference")
     run_in_process(sft.main, sft.Args(
@@ -76,3 +78,10 @@ def test_every_stage_runs_on_the_papers_columns(paper_datasets, models_dir, tmp_
         total_episodes=8, local_micro_batch_size=4, gradient_accumulation_steps=2, local_rollout_forward_batch_size=8,
         local_eval_batch_size=64, run_eval=True, print_sample_output_freq=0), workdir)
     assert "eval/validation/scores" in last_metrics(workdir, "ppo")
+    run_in_process(dpo.main, dpo.Args(
+        base_model=base, sft_model_path=os.path.join(workdir, "sft"), label_dataset=preference_data,
+        query_dataset=sft_data, output_dir=os.path.join(workdir, "dpo"), run_name="dpo", response_length=32,
+        total_episodes=16, local_micro_batch_size=8, gradient_accumulation_steps=1, run_eval=True,
+        local_eval_batch_size=64), workdir)
+    assert {"eval/rm/validation/accuracy", "eval/rm/validation_cnndm/accuracy"} <= last_metrics(workdir, "dpo").keys()
+    assert os.path.isfile(os.path.join(workdir, "runs", "dpo", "validation_table.csv"))
