@@ -35,6 +35,8 @@ import json
 import math
 import os
 import random
+import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
@@ -106,6 +108,14 @@ class Args:
     """the SFT dataset (hub name or local folder); only its train references are used, to normalise"""
     label_dataset: str = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
     """the preference dataset (hub name or a local `save_to_disk` folder from tldr_dataset.py)"""
+
+    # checkpoints (DESIGN section 15): in `<output_dir>/checkpoints`
+    checkpoint_every: int = 0
+    """also save a checkpoint every this many updates (0: only on SIGTERM / SIGUSR1)"""
+    keep_checkpoints: int = 1
+    """the newest checkpoints to keep"""
+    resume: bool = False
+    """continue from the newest checkpoint (the same stage, seed and batch arithmetic; any process count)"""
 
     # tracking and output
     track: bool = False
@@ -361,26 +371,35 @@ def load_reward_model(path: str, tokenizer, head_seed: Optional[int]):
 
 class Logger:
     """TensorBoard + metrics.jsonl (+ wandb: scalars via TensorBoard sync, and the eval tables) on the
-    main process only."""
+    main process only. `resume` (the `state()` a checkpoint kept) continues a run where it stood:
+    metrics.jsonl is cut back to its length then, TensorBoard hides the events logged after it, and
+    wandb continues the same run."""
 
-    def __init__(self, args: Args, accelerator: Accelerator):
+    def __init__(self, args: Args, accelerator: Accelerator, resume: Optional[dict] = None):
         self.main = accelerator.is_main_process
         self.track = self.main and args.track
         self.folder = os.path.join("runs", args.run_name)
+        self.last_step = resume["last_step"] if resume else None
+        self.wandb_id = resume["wandb_id"] if resume else None
         if not self.main:
             return
         if args.track:
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=args.run_name, save_code=True)
+            self.wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                                       config=asdict(args), name=args.run_name, save_code=True, id=self.wandb_id,
+                                       resume="allow" if self.wandb_id else None).id
         os.makedirs(self.folder, exist_ok=True)
-        self.writer = SummaryWriter(self.folder)
+        self.writer = SummaryWriter(self.folder, purge_step=None if self.last_step is None else self.last_step + 1)
         self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{k}|{v}|" for k, v in asdict(args).items()))
         with open(os.path.join(self.folder, "args.json"), "w") as f:
             json.dump(asdict(args), f, indent=2)
-        self.jsonl = open(os.path.join(self.folder, "metrics.jsonl"), "a")
+        path = os.path.join(self.folder, "metrics.jsonl")
+        if resume and os.path.exists(path):
+            with open(path, "r+") as f:
+                f.truncate(resume["jsonl_bytes"])
+        self.jsonl = open(path, "a")
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.main:
@@ -389,6 +408,11 @@ class Logger:
             self.writer.add_scalar(key, value, step)
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
+        self.last_step = step
+
+    def state(self) -> dict:
+        """Where the logs stand (main process): what a checkpoint keeps to continue them."""
+        return {"jsonl_bytes": self.jsonl.tell(), "last_step": self.last_step, "wandb_id": self.wandb_id}
 
     def table(self, name: str, frame: pd.DataFrame) -> None:
         if self.main:
@@ -406,6 +430,146 @@ class Logger:
             import wandb
 
             wandb.finish()
+
+
+# A stage stopped by SIGTERM or SIGUSR1 exits with this status once its checkpoint is written
+# (EX_TEMPFAIL: try again later); the same command with --resume finishes the run.
+CHECKPOINT_EXIT_CODE = 75
+
+
+def rng_state() -> dict:
+    """Every random stream this process draws from."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def find_checkpoint(output_dir: str, identity: dict, world_size: int, deepspeed: bool) -> tuple:
+    """(folder, trainer state) of the newest checkpoint in `<output_dir>/checkpoints`, once it is
+    clear that this run can continue it: the same stage and batch arithmetic (`identity`), the same
+    backend, and under DeepSpeed the same process count (its ZeRO files are sharded by rank)."""
+    folder = os.path.join(output_dir, "checkpoints")
+    names = sorted(n for n in os.listdir(folder) if n.startswith("update-")) if os.path.isdir(folder) else []
+    if not names:
+        raise FileNotFoundError(f"--resume: no checkpoint in {folder}")
+    path = os.path.join(folder, names[-1])
+    state_file = os.path.join(path, "trainer_state.json")
+    try:
+        with open(state_file) as f:
+            state = json.load(f)
+        saved = state["identity"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{state_file}: not a readable checkpoint state ({type(e).__name__}: {e})") from None
+    mismatch = [f"{k} {saved.get(k)!r} there, {v!r} here" for k, v in identity.items() if saved.get(k) != v]
+    if mismatch:
+        raise ValueError(f"{path} is not a checkpoint of this run: {'; '.join(mismatch)}")
+    if state["deepspeed"] != deepspeed:
+        raise ValueError(f"{path} was written {'with' if state['deepspeed'] else 'without'} DeepSpeed; resume it the "
+                         "same way")
+    if deepspeed and state["world_size"] != world_size:
+        raise ValueError(f"{path}: DeepSpeed's ZeRO checkpoint of {state['world_size']} processes loads only on as "
+                         f"many (this run has {world_size})")
+    return path, state
+
+
+class Checkpoints:
+    """Checkpoints of a run in `<output_dir>/checkpoints/update-<k>/`, and the signals that ask for one.
+
+    A checkpoint holds what decides the rest of the run: the trained model and its optimizer (under
+    DeepSpeed in its own ZeRO format through accelerate, with every rank's RNG streams; otherwise
+    plain torch files of the unwrapped model, so another process count can resume), the `objects`
+    (learning-rate scheduler, KL controller), every rank's RNG streams, and `trainer_state.json`: the
+    update reached (the data position follows from the global order), the run name, where the logs
+    stand, the stage's `records`, and the `identity` a resume must match. It is written aside and
+    renamed into place, so a run killed while writing keeps the previous one; the newest `keep` stay.
+    SIGTERM and SIGUSR1 (what Slurm sends before a preemption or the time limit) ask for a checkpoint
+    at the end of the current update, after which the run exits with CHECKPOINT_EXIT_CODE."""
+
+    def __init__(self, args, accelerator: Accelerator, model, optimizer, objects: list, identity: dict):
+        self.folder = os.path.join(args.output_dir, "checkpoints") if args.output_dir else None
+        self.every, self.keep, self.identity = args.checkpoint_every, args.keep_checkpoints, identity
+        self.accelerator, self.model, self.optimizer, self.objects = accelerator, model, optimizer, objects
+        self.deepspeed = accelerator.state.deepspeed_plugin is not None
+        self.signal = None
+        if self.folder:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._remember)
+        if self.deepspeed:
+            accelerator.register_for_checkpointing(*objects)
+
+    def _remember(self, signum, frame) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def load(self, path: str, state: dict) -> None:
+        """Restores what `save` wrote (after accelerator.prepare; `state` from find_checkpoint)."""
+        rank = self.accelerator.process_index
+        try:
+            if self.deepspeed:
+                self.accelerator.load_state(path)
+            else:
+                saved = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
+                self.accelerator.unwrap_model(self.model).load_state_dict(saved["model"])
+                self.optimizer.load_state_dict(saved["optimizer"])
+                for obj, obj_state in zip(self.objects, saved["objects"], strict=True):
+                    obj.load_state_dict(obj_state)
+                # another process count: ranks the checkpoint did not have keep their own seeds
+                if rank < state["world_size"]:
+                    set_rng_state(torch.load(os.path.join(path, f"rng_rank{rank}.pt"), weights_only=False))
+        except Exception as e:
+            raise ValueError(f"{path}: cannot load the checkpoint ({type(e).__name__}: {e})") from e
+
+    def after_update(self, update: int, run_name: str, logger, records=None) -> None:
+        """The safe point at the end of an update: saves a checkpoint when one is due, and after a
+        signal (on any rank; all ranks stop at the same update) exits."""
+        if self.folder is None:
+            return
+        asked = torch.tensor(float(self.signal is not None), device=self.accelerator.device)
+        stop = self.accelerator.reduce(asked, "sum").item() > 0
+        if stop or (self.every and update % self.every == 0):
+            self.save(update, run_name, logger, records)
+        if stop:
+            if self.accelerator.is_main_process:
+                print(f"checkpoint saved at update {update} after a stop signal; exiting with status "
+                      f"{CHECKPOINT_EXIT_CODE} (rerun with --resume)", flush=True)
+            logger.close()
+            raise SystemExit(CHECKPOINT_EXIT_CODE)
+
+    def save(self, update: int, run_name: str, logger, records=None) -> None:
+        main = self.accelerator.is_main_process
+        final = os.path.join(self.folder, f"update-{update:07d}")
+        partial = os.path.join(self.folder, f".update-{update:07d}.partial")
+        if main:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        self.accelerator.wait_for_everyone()
+        if self.deepspeed:
+            self.accelerator.save_state(partial)
+        else:
+            if main:
+                torch.save({"model": self.accelerator.unwrap_model(self.model).state_dict(),
+                            "optimizer": self.optimizer.state_dict(),
+                            "objects": [obj.state_dict() for obj in self.objects]}, os.path.join(partial, "state.pt"))
+            torch.save(rng_state(), os.path.join(partial, f"rng_rank{self.accelerator.process_index}.pt"))
+        if main:
+            with open(os.path.join(partial, "trainer_state.json"), "w") as f:
+                json.dump({"identity": self.identity, "update": update, "run_name": run_name,
+                           "world_size": self.accelerator.num_processes, "deepspeed": self.deepspeed,
+                           "logger": logger.state(), "records": records}, f)
+        self.accelerator.wait_for_everyone()
+        if main:
+            shutil.rmtree(final, ignore_errors=True)  # (the same update saved again)
+            os.replace(partial, final)
+            names = sorted(n for n in os.listdir(self.folder) if n.startswith("update-"))
+            for name in names[:-self.keep]:
+                shutil.rmtree(os.path.join(self.folder, name))
+        self.accelerator.wait_for_everyone()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,10 +646,19 @@ def main(args: Args) -> None:
         # (accelerate would fill in 1.0 where nothing is set; DeepSpeed reads 0 as "off")
         deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
         deepspeed_plugin.deepspeed_config["gradient_clipping"] = clip_norm or 0.0
+    # a checkpoint continues on any process count, for the same stage, seed and batch arithmetic
+    # (with the paper's per-rank shuffle the data order also depends on the process count)
+    identity = {"stage": "reward", "seed": args.seed, "batch_size": args.batch_size,
+                "total_episodes": args.total_episodes, "num_updates": args.num_updates,
+                "order": f"per rank of {world_size}" if args.rank_dependent_shuffle else "global"}
+    if (args.resume or args.checkpoint_every) and not args.output_dir:
+        raise ValueError("--resume and --checkpoint_every keep checkpoints in <output_dir>/checkpoints: set --output_dir")
+    resumed = find_checkpoint(args.output_dir, identity, world_size, deepspeed_plugin is not None) if args.resume else None
+    start_update = resumed[1]["update"] if resumed else 0
 
-    # run name: rank 0's clock, broadcast so every rank logs under one name
+    # run name: rank 0's clock, broadcast so every rank logs under one name (a resumed run keeps its own)
     stamp = broadcast(torch.tensor(int(time.time()), device=accelerator.device), 0).item()
-    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{stamp}"
+    args.run_name = resumed[1]["run_name"] if resumed else args.run_name or f"{args.exp_name}__{args.seed}__{stamp}"
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)
@@ -520,6 +693,7 @@ def main(args: Args) -> None:
     # ranks overlapped and missed pairs; --rank_dependent_shuffle brings that back).
     order_seed = local_seed if args.rank_dependent_shuffle else args.seed
     order = epoch_permutations(len(train), -(-args.total_episodes // len(train)), order_seed)
+    order = order[start_update * args.batch_size:]  # a resumed run starts at its first unseen global batch
     train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True)
     eval_sets = {s: label_dataset[s] for s in ("validation", "validation_cnndm") if s in label_dataset}
     eval_loaders = {
@@ -535,13 +709,20 @@ def main(args: Args) -> None:
     if deepspeed_plugin is not None and accelerator.is_main_process:  # what the engine really got
         console.print(f"DeepSpeed engine: ZeRO-{model.zero_optimization_stage()}, "
                       f"gradient_clipping {model.gradient_clipping()}")
-    logger = Logger(args, accelerator)
+    checkpoints = Checkpoints(args, accelerator, model, optimizer, [scheduler], identity)
+    if resumed:
+        checkpoints.load(*resumed)
+        if accelerator.is_main_process:
+            console.print(f"resumed run {args.run_name} from {resumed[0]} at update {start_update}")
+    logger = Logger(args, accelerator, resume=resumed[1]["logger"] if resumed else None)
 
     model.train()
-    update = 0
-    trained_pairs = []  # (update, row index) of every pair trained on, over all ranks: train_pairs.csv
+    update = start_update
+    # (update, row index) of every pair trained on, over all ranks: train_pairs.csv
+    trained_pairs = [tuple(pair) for pair in resumed[1]["records"]] if resumed else []
     start = time.time()
-    for batch in track(train_loader, total=args.num_updates, description="reward", disable=not accelerator.is_main_process):
+    for batch in track(train_loader, total=args.num_updates - start_update, description="reward",
+                       disable=not accelerator.is_main_process):
         if update == args.num_updates:
             break
         update += 1
@@ -573,8 +754,9 @@ def main(args: Args) -> None:
             "train/rm/chosen_rewards": stats[2].item() / args.batch_size,
             "train/rm/rejected_rewards": stats[3].item() / args.batch_size,
             "train/rm/lr": lr,
-            "train/rm/eps": global_step / (time.time() - start),
+            "train/rm/eps": (update - start_update) * args.batch_size / (time.time() - start),
         }, global_step)
+        checkpoints.after_update(update, args.run_name, logger, records=trained_pairs)
     global_step = update * args.batch_size
     logger.table("train_pairs", pd.DataFrame(trained_pairs, columns=["update", "row_index"]))
     model.eval()

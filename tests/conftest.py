@@ -1,6 +1,8 @@
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from accelerate.state import AcceleratorState, GradientState
@@ -96,10 +98,13 @@ def run_in_process(main, args, workdir) -> None:
     cwd = os.getcwd()
     os.makedirs(workdir, exist_ok=True)
     os.chdir(workdir)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         main(args)
     finally:
         os.chdir(cwd)
+        for sig, handler in handlers.items():  # the stage's stop-signal handlers end with it
+            signal.signal(sig, handler)
         # accelerate keeps process-wide singletons; the next in-process run starts clean
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
@@ -120,3 +125,43 @@ def attention_calls(monkeypatch):
 
     monkeypatch.setattr(modeling_gpt_neox.GPTNeoXAttention, "forward", counted)
     return lengths
+
+
+def signal_on_call(monkeypatch, module, name: str, call: int, signum=signal.SIGUSR1) -> None:
+    """This process gets `signum` from inside the `call`-th call of `module.name`: in the middle of
+    an update, as a preemption notice would arrive."""
+    original, calls = getattr(module, name), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), signum)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+# torchrun's agent (accelerate launch with several processes or DeepSpeed) forwards these to the
+# ranks (its --signals_to_handle, read from PET_SIGNALS_TO_HANDLE); SIGUSR1 is not among its
+# defaults. The sbatch files set the same.
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def run_until_signalled(cmd: list, cwd, metrics_path, after_lines: int, **env) -> subprocess.CompletedProcess:
+    """A stage as a user launches it, sent SIGUSR1 (as Slurm does before a preemption) once
+    `after_lines` lines are in its metrics.jsonl: it must checkpoint at the end of the update in
+    progress and exit; the stdout says where."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PET_SIGNALS_TO_HANDLE=FORWARDED_SIGNALS, **env)
+    if "--multi_gpu" in cmd:
+        env["ACCELERATE_USE_CPU"] = "1"
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    while process.poll() is None:
+        if os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                if sum(1 for _ in f) >= after_lines:
+                    process.send_signal(signal.SIGUSR1)
+                    break
+        time.sleep(0.02)
+    stdout, stderr = process.communicate(timeout=600)
+    assert "checkpoint saved at update" in stdout, stdout[-3000:] + stderr[-3000:]
+    return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
-from conftest import accelerate_launcher, run_in_process, run_script
+from conftest import accelerate_launcher, run_in_process, run_script, run_until_signalled, signal_on_call
 from summarize_from_feedback_details import sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,13 +146,16 @@ def test_pad_is_never_sampled_and_length_is_exact():
 # ---------------------------------------------------------------------------------------------
 
 
-def run_sft(tiny_datasets, tokenizer_dir, tmp_path, name, *flags, launcher=()):
+def sft_command(tiny_datasets, tokenizer_dir, tmp_path, name, *flags, launcher=()):
     data_dir, _ = tiny_datasets
     cmd = [*launcher] if launcher else [sys.executable]
-    cmd += [SCRIPT, "--base_model", tokenizer_dir, "--query_dataset", os.path.join(data_dir, "sft"),
-            "--response_length", "32", "--lr", "3e-3", "--seed", "3", "--run_name", name,
-            "--output_dir", str(tmp_path / name), *flags]
-    result = run_script(cmd, tmp_path)
+    return cmd + [SCRIPT, "--base_model", tokenizer_dir, "--query_dataset", os.path.join(data_dir, "sft"),
+                  "--response_length", "32", "--lr", "3e-3", "--seed", "3", "--run_name", name,
+                  "--output_dir", str(tmp_path / name), *flags]
+
+
+def run_sft(tiny_datasets, tokenizer_dir, tmp_path, name, *flags, launcher=()):
+    result = run_script(sft_command(tiny_datasets, tokenizer_dir, tmp_path, name, *flags, launcher=launcher), tmp_path)
     with open(tmp_path / "runs" / name / "metrics.jsonl") as f:
         metrics = [json.loads(line) for line in f]
     return result, metrics, load_file(str(tmp_path / name / "model.safetensors"))
@@ -216,17 +220,123 @@ def test_max_grad_norm_zero_means_no_clipping(tiny_datasets, tokenizer_dir, tmp_
     assert all(not torch.equal(p_zero[k], base[k]) for k in p_zero if "layers.0.attention" in k)
 
 
+def without_rates(metrics: list) -> list:
+    """Metric lines without the wall-clock rates (episodes per second)."""
+    return [{k: v for k, v in m.items() if not k.endswith("/eps")} for m in metrics]
+
+
+def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_datasets, tokenizer_dir, tmp_path,
+                                                                       monkeypatch):
+    """6 updates of 8 (micro-batch 4 x 2), with sample generations every 2 updates (they draw from
+    the torch RNG). SIGUSR1 arrives in the 6th training forward, the middle of update 3: the run
+    finishes update 3, checkpoints and exits with 75; --resume then gives the uninterrupted run's
+    weights and metrics.jsonl, bit for bit."""
+    common = dict(total_episodes=48, local_micro_batch_size=4, gradient_accumulation_steps=2, print_sample_output_freq=2)
+    whole, p_whole = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "whole", **common)
+    with monkeypatch.context() as patch:
+        signal_on_call(patch, sft, "sequence_losses", 6)
+        with pytest.raises(SystemExit) as stopped:
+            sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", **common)
+    assert stopped.value.code == sft.CHECKPOINT_EXIT_CODE == 75
+    assert os.listdir(tmp_path / "stopped" / "checkpoints") == ["update-0000003"]
+    assert len(losses(read_metrics(tmp_path, "stopped"))) == 3
+    resumed, p_resumed = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", resume=True, **common)
+    assert without_rates(resumed) == without_rates(whole) and len(losses(whole)) == 6
+    assert_same_params(p_whole, p_resumed, rtol=0, atol=0)
+    for update in (2, 4, 6):  # the sampled tables too (RNG streams restored)
+        assert (tmp_path / "runs" / "whole" / f"samples_{update}.csv").read_text() == \
+            (tmp_path / "runs" / "stopped" / f"samples_{update}.csv").read_text()
+
+
+def test_checkpoints_are_kept_and_bad_ones_refused(tiny_datasets, tokenizer_dir, tmp_path):
+    """--checkpoint_every with --keep_checkpoints; --resume without a checkpoint, with another
+    stage's or another batch arithmetic's, across backends, or from a corrupt file stops with a
+    message naming the checkpoint and the mismatch. A write that never finished is ignored."""
+    common = dict(local_micro_batch_size=4, gradient_accumulation_steps=2)
+    sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "run", total_episodes=24, checkpoint_every=1,
+                   keep_checkpoints=2, **common)
+    out = str(tmp_path / "run")
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["update-0000002", "update-0000003"]
+    identity = {"stage": "sft", "seed": 3, "batch_size": 8, "total_episodes": 24, "num_updates": 3}
+    os.makedirs(os.path.join(out, "checkpoints", ".update-0000004.partial"))  # killed while writing
+    path, state = sft.find_checkpoint(out, identity, world_size=1, deepspeed=False)
+    assert path.endswith("update-0000003") and state["update"] == 3 and state["run_name"] == "run"
+    with pytest.raises(FileNotFoundError, match=r"--resume: no checkpoint in .*/nothing/checkpoints"):
+        sft.find_checkpoint(str(tmp_path / "nothing"), identity, world_size=1, deepspeed=False)
+    with pytest.raises(ValueError, match=r"update-0000003 is not a checkpoint of this run: stage 'sft' there, 'reward' here"):
+        sft.find_checkpoint(out, {**identity, "stage": "reward"}, world_size=1, deepspeed=False)
+    with pytest.raises(ValueError, match=r"batch_size 8 there, 16 here; num_updates 3 there, 1 here"):
+        sft.find_checkpoint(out, {**identity, "batch_size": 16, "num_updates": 1}, world_size=1, deepspeed=False)
+    with pytest.raises(ValueError, match=r"update-0000003 was written without DeepSpeed"):
+        sft.find_checkpoint(out, identity, world_size=1, deepspeed=True)
+    # a corrupt model file: the run stops, naming the checkpoint
+    with open(os.path.join(path, "state.pt"), "wb") as f:
+        f.write(b"not a torch file")
+    with pytest.raises(ValueError, match=r"update-0000003: cannot load the checkpoint \(UnpicklingError"):
+        sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "run", total_episodes=24, resume=True, **common)
+    with open(os.path.join(path, "trainer_state.json"), "w") as f:
+        f.write("{truncated")
+    with pytest.raises(ValueError, match=r"update-0000003/trainer_state.json: not a readable checkpoint state"):
+        sft.find_checkpoint(out, identity, world_size=1, deepspeed=False)
+    with pytest.raises(ValueError, match="--resume and --checkpoint_every keep checkpoints in <output_dir>"):
+        run_in_process(sft.main, sft.Args(base_model=tokenizer_dir, query_dataset=os.path.join(tiny_datasets[0], "sft"),
+                                          output_dir="", resume=True), str(tmp_path))
+
+
+def read_metrics(workdir, name) -> list:
+    with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# global batch 8 for 6 updates: one process (micro-batch 2 x accumulation 4) or two (2 x 2 each);
+# a sample table every update (generation: the runs draw from their RNG, and an update takes long
+# enough for a signal to arrive in the middle of the run)
+PROCESSES = {n: ("--total_episodes", "48", "--local_micro_batch_size", "2", "--gradient_accumulation_steps", str(8 // 2 // n),
+                 "--print_sample_output_freq", "1") for n in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def process_runs(tiny_datasets, tokenizer_dir, tmp_path_factory):
+    """The uninterrupted runs on one and on two processes (gloo, DDP)."""
+    tmp_path = tmp_path_factory.mktemp("sft_processes")
+    one = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "one", *PROCESSES[1])
+    two = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "two", *PROCESSES[2], launcher=accelerate_launcher(2))
+    return tmp_path, one, two
+
+
 @pytest.mark.slow
-def test_two_processes_match_one_process(tiny_datasets, tokenizer_dir, tmp_path):
-    """Global batch 8 for 3 updates: one process x 8 == two processes x 4 (gloo, DDP)."""
-    common = ("--total_episodes", "24", "--local_micro_batch_size", "2")
-    _, one, p_one = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "one", "--gradient_accumulation_steps", "4", *common)
-    result, two, p_two = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "two", "--gradient_accumulation_steps", "2",
-                                 *common, launcher=accelerate_launcher(2))
+def test_two_processes_match_one_process(process_runs):
+    _, (_, one, p_one), (result, two, p_two) = process_runs
     assert "world_size 2" in result.stdout
-    assert len(losses(one)) == 3
+    assert len(losses(one)) == 6
     assert losses(one) == pytest.approx(losses(two), rel=1e-5)  # float reduction order differs slightly
     assert_same_params(p_one, p_two, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, tokenizer_dir):
+    """Two processes stopped by SIGUSR1 once the first update is logged. Resumed on two processes:
+    the uninterrupted two-process run, bit for bit. Resumed on one process from a copy of the same
+    checkpoint (same global batch): the uninterrupted one-process run, within the tolerance of the
+    test above."""
+    tmp_path, (_, one, p_one), (_, two, p_two) = process_runs
+    stopped = run_until_signalled(sft_command(tiny_datasets, tokenizer_dir, tmp_path, "stopped", *PROCESSES[2],
+                                              launcher=accelerate_launcher(2)),
+                                  tmp_path, tmp_path / "runs" / "stopped" / "metrics.jsonl", 1)
+    (checkpoint,) = os.listdir(tmp_path / "stopped" / "checkpoints")
+    assert f"checkpoint saved at update {int(checkpoint[len('update-'):])}" in stopped.stdout
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path / "stopped", moved / "stopped")
+    shutil.copytree(tmp_path / "runs" / "stopped", moved / "runs" / "stopped")
+    result, resumed, p_resumed = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "stopped", *PROCESSES[2], "--resume",
+                                         launcher=accelerate_launcher(2))
+    assert f"resumed run stopped from {tmp_path / 'stopped' / 'checkpoints' / checkpoint}" in " ".join(result.stdout.split())
+    assert without_rates(resumed) == without_rates(two)
+    assert_same_params(p_two, p_resumed, rtol=0, atol=0)
+    on_one, p_on_one = sft_in_process(tiny_datasets, tokenizer_dir, str(moved), "stopped", resume=True,
+                                      **{k.lstrip("-"): int(v) for k, v in zip(PROCESSES[1][::2], PROCESSES[1][1::2])})
+    assert losses(on_one) == pytest.approx(losses(one), rel=1e-5) and len(losses(on_one)) == 6
+    assert_same_params(p_one, p_on_one, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -245,6 +355,26 @@ def test_deepspeed_matches_ddp(tiny_datasets, tokenizer_dir, tmp_path, config, n
     assert_same_params(p_plain, p_ds, rtol=1e-4, atol=1e-6)
     evals = [{k: v for m in run for k, v in m.items() if k.startswith("validation/")} for run in (plain, ds)]
     assert len(evals[0]) == 4 and evals[0] == pytest.approx(evals[1], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_deepspeed_resume_equals_the_uninterrupted_run(tiny_datasets, tokenizer_dir, tmp_path):
+    """DeepSpeed ZeRO-2 on two processes, stopped by SIGUSR1 once the first update is logged and
+    resumed from DeepSpeed's own checkpoint: the uninterrupted run's metrics and weights, bit for
+    bit. A ZeRO checkpoint is sharded by rank: resuming it on one process is refused."""
+    launcher = accelerate_launcher(2, DS_CONFIG)
+    _, whole, p_whole = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "whole", "--deepspeed", *PROCESSES[2],
+                                launcher=launcher)
+    run_until_signalled(sft_command(tiny_datasets, tokenizer_dir, tmp_path, "stopped", "--deepspeed", *PROCESSES[2],
+                                    launcher=launcher), tmp_path, tmp_path / "runs" / "stopped" / "metrics.jsonl", 1)
+    (checkpoint,) = os.listdir(tmp_path / "stopped" / "checkpoints")
+    assert "pytorch_model" in os.listdir(tmp_path / "stopped" / "checkpoints" / checkpoint)  # DeepSpeed's format
+    _, resumed, p_resumed = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "stopped", "--deepspeed", *PROCESSES[2],
+                                    "--resume", launcher=launcher)
+    assert without_rates(resumed) == without_rates(whole)
+    assert_same_params(p_whole, p_resumed, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"DeepSpeed's ZeRO checkpoint of 2 processes loads only on as many"):
+        sft.find_checkpoint(str(tmp_path / "stopped"), {}, world_size=1, deepspeed=True)
 
 
 def test_deepspeed_flag_without_deepspeed_is_an_error(tiny_datasets, tokenizer_dir, tmp_path):
