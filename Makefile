@@ -29,8 +29,15 @@ test-gpu: install
 clean:
 	rm -rf $(VENV) data models runs
 
-# Opt-in, not part of `make test`: the sbatches/ chain (TINY=1) on a throwaway one-node Slurm
-# cluster started on this machine. Needs root: installs slurm + munge from Debian if missing.
-.PHONY: test-slurm
+# Opt-in, not part of `make test`: the sbatches/ chain (TINY=1) and a PPO task stopped twice,
+# requeued and resumed, on a throwaway one-node Slurm cluster started on this machine; then one task
+# over two nodes (two slurmd in network namespaces on a bridge) stopped, requeued and resumed,
+# against one node with two processes (test-slurm-nodes alone). Needs root: installs slurm + munge
+# from Debian if missing; creates and removes network namespaces, veth pairs and a bridge.
+.PHONY: test-slurm test-slurm-nodes
 test-slurm: install
 	tests/slurm/test_sbatch_chain.sh
+	tests/slurm/test_two_nodes.sh
+
+test-slurm-nodes: install
+	tests/slurm/test_two_nodes.sh

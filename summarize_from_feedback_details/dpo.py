@@ -757,7 +757,10 @@ def main(args: Args) -> None:
     order_seed = local_seed if args.rank_dependent_shuffle else args.seed
     order = epoch_permutations(len(train), -(-args.total_episodes // len(train)), order_seed)
     order = order[start_update * args.batch_size:]  # a resumed run starts at its first unseen global batch
-    train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True)
+    # its own generator: each iterator over a DataLoader draws a seed from it, which would otherwise
+    # come from the global torch stream and shift it in a resumed run (it restores that stream)
+    train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True,
+                              generator=torch.Generator())
     eval_sets = {s: label_dataset[s] for s in ("validation", "validation_cnndm") if s in label_dataset}
     eval_loaders = {
         s: DataLoader(ds.add_column("row_index", list(range(len(ds)))).with_format(

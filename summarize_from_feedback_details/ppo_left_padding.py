@@ -962,7 +962,10 @@ def main(args: Args) -> None:
     train = dataset["train"].with_format("torch", columns=["query_token"])
     order = epoch_permutations(len(train), -(-args.total_episodes // len(train)), args.seed)
     order = order[start_update * args.batch_size:]  # a resumed run starts at its first unseen global batch
-    train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True)
+    # its own generator: each iterator over a DataLoader draws a seed from it, which would otherwise
+    # come from the global torch stream and shift it in a resumed run (it restores that stream)
+    train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True,
+                              generator=torch.Generator())
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     ref_policy = prepare_frozen(ref_policy, args, accelerator)
     reward_model = prepare_frozen(reward_model, args, accelerator)

@@ -606,7 +606,10 @@ def main(args: Args) -> None:
     # (and a resumed run starts at its first unseen global batch)
     order = epoch_permutations(len(train), -(-args.total_episodes // len(train)), args.seed)
     order = order[start_update * args.batch_size:]
-    train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True)
+    # its own generator: each iterator over a DataLoader draws a seed from it, which would otherwise
+    # come from the global torch stream and shift it in a resumed run (it restores that stream)
+    train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True,
+                              generator=torch.Generator())
     eval_loaders = {s: DataLoader(ds, batch_size=args.local_eval_batch_size) for s, ds in eval_sets.items()}
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     eval_loaders = {s: accelerator.prepare(dl) for s, dl in eval_loaders.items()}

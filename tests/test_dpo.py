@@ -2,17 +2,18 @@ import inspect
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pandas as pd
 import pytest
 import torch
-from datasets import load_from_disk
+from datasets import DatasetDict, load_from_disk
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import accelerate_launcher, run_in_process, run_script
+from conftest import accelerate_launcher, run_in_process, run_script, run_until_signalled, signal_on_call
 from summarize_from_feedback_details import dpo, ppo_left_padding, reward, sft
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
@@ -229,30 +230,99 @@ def test_gradient_checkpointing_changes_nothing(tiny_datasets, models_dir, tmp_p
     assert_same_params(p_plain, p_checkpointed, rtol=0, atol=0)
 
 
+def without_rates(metrics: list) -> list:
+    """Metric lines without the wall-clock rates (episodes per second)."""
+    return [{k: v for k, v in m.items() if not k.endswith("/eps")} for m in metrics]
+
+
+def run_file(workdir, name, table) -> str:
+    with open(os.path.join(workdir, "runs", name, f"{table}.csv")) as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def quick_eval_data(tiny_datasets, tmp_path_factory):
+    """The tiny default with short eval splits: 20 and 10 preference pairs, 8 validation and 8 test
+    queries to generate for. The same training, a quicker eval. (label_dataset, query_dataset)"""
+    folder = tmp_path_factory.mktemp("dpo_quick_eval")
+    for name, sizes in (("preference", {"validation": 20, "validation_cnndm": 10}), ("sft", {"validation": 8, "test": 8})):
+        data = load_from_disk(os.path.join(tiny_datasets[0], name))
+        DatasetDict({split: ds.select(range(sizes[split])) if split in sizes else ds for split, ds in data.items()}
+                    ).save_to_disk(str(folder / name))
+    return str(folder / "preference"), str(folder / "sft")
+
+
+EVAL_TABLES = ("train_pairs", "eval_validation_table", "eval_validation_cnndm_table", "validation_table", "test_table")
+
+
+def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_datasets, models_dir, quick_eval_data,
+                                                                       tmp_path, monkeypatch):
+    """6 updates of 6 pairs (micro-batch 2 x accumulation 3) with the eval (its generation samples at
+    the default temperature 0.01 from the RNG streams the checkpoint restores). Each training micro-batch calls
+    pair_logprobs twice (reference, then policy; the eval's calls come after training): SIGUSR1
+    arrives in the 16th call, the policy forward of update 3's second micro-batch. The run finishes
+    update 3, checkpoints, exits with 75 and leaves exactly that checkpoint and no model; --resume
+    then gives the uninterrupted run bit for bit: weights, metrics.jsonl (the eval's lines included),
+    train_pairs.csv, the implicit-reward eval tables and the generation tables."""
+    label_dataset, query_dataset = quick_eval_data
+    common = dict(total_episodes=36, local_micro_batch_size=2, gradient_accumulation_steps=3, run_eval=True,
+                  label_dataset=label_dataset, query_dataset=query_dataset)
+    workdir = str(tmp_path)
+    _, whole, p_whole = run_dpo(tiny_datasets, models_dir, workdir, "whole", **common)
+    with monkeypatch.context() as patch:
+        signal_on_call(patch, dpo, "pair_logprobs", 16)
+        with pytest.raises(SystemExit) as stopped:
+            run_dpo(tiny_datasets, models_dir, workdir, "stopped", **common)
+    assert stopped.value.code == dpo.CHECKPOINT_EXIT_CODE == 75
+    assert os.listdir(tmp_path / "stopped") == ["checkpoints"]
+    assert os.listdir(tmp_path / "stopped" / "checkpoints") == ["update-0000003"]
+    assert [m["step"] for m in read_metrics(workdir, "stopped")] == [6, 12, 18]
+    _, resumed, p_resumed = run_dpo(tiny_datasets, models_dir, workdir, "stopped", resume=True, **common)
+    assert without_rates(resumed) == without_rates(whole)
+    assert [m["step"] for m in whole] == [6, 12, 18, 24, 30, 36, 36, 36]  # 6 updates, 2 implicit-reward evals
+    assert_same_params(p_whole, p_resumed, rtol=0, atol=0)
+    for table in EVAL_TABLES:
+        assert run_file(workdir, "whole", table) == run_file(workdir, "stopped", table), table
+    assert len(pd.read_csv(tmp_path / "runs" / "stopped" / "train_pairs.csv")) == 36
+
+
+def dpo_command(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()) -> list:
+    data_dir, _ = tiny_datasets
+    return [*(launcher or [sys.executable]), SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
+            sft_model(models_dir), "--label_dataset", os.path.join(data_dir, "preference"), "--output_dir",
+            str(tmp_path / name), "--run_name", name, "--seed", "3", *flags]
+
+
 def launch_dpo(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()):
     """dpo.py as a user launches it: (stdout, per-update metrics, weights, train_pairs table)."""
-    data_dir, _ = tiny_datasets
-    cmd = [*(launcher or [sys.executable]), SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
-           sft_model(models_dir), "--label_dataset", os.path.join(data_dir, "preference"), "--output_dir",
-           str(tmp_path / name), "--run_name", name, "--seed", "3", *flags]
-    result = run_script(cmd, tmp_path)
+    result = run_script(dpo_command(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=launcher), tmp_path)
     train = [m for m in read_metrics(str(tmp_path), name) if "train/rm/loss" in m]
     pairs = pd.read_csv(tmp_path / "runs" / name / "train_pairs.csv")
     return result.stdout, train, load_file(str(tmp_path / name / "model.safetensors")), pairs
 
 
+# two epochs of the 300 training pairs, global batch 30 (20 updates): one process (micro-batch 5 x
+# accumulation 6) or two (5 x 3 each); Adam eps 1: update ~ lr * gradient
+PROCESSES = {n: ("--num_train_epochs", "2", "--local_micro_batch_size", "5", "--gradient_accumulation_steps",
+                 str(6 // n), "--lr", "0.05", "--eps", "1") for n in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def process_runs(tiny_datasets, models_dir, tmp_path_factory):
+    """The uninterrupted runs on one process and on two (gloo, DDP): (folder, one, two), each
+    (stdout, per-update metrics, weights, train_pairs)."""
+    tmp_path = tmp_path_factory.mktemp("dpo_processes")
+    one = launch_dpo(tiny_datasets, models_dir, tmp_path, "one", *PROCESSES[1])
+    two = launch_dpo(tiny_datasets, models_dir, tmp_path, "two", *PROCESSES[2], launcher=accelerate_launcher(2))
+    return tmp_path, one, two
+
+
 @pytest.mark.slow
-def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(tiny_datasets, models_dir, tmp_path):
-    """Two epochs of the 300 training pairs, global batch 30: one process (micro 5 x accumulation 6)
-    and two processes (5 x 3 each) see the same pairs in the same updates, every pair exactly once
-    per epoch across both ranks, and give the same curves and weights (Adam eps 1: update ~ lr * g)."""
+def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(process_runs, tiny_datasets):
+    """One process and two see the same pairs in the same updates, every pair exactly once per
+    epoch across both ranks, and give the same curves and weights."""
+    _, (_, one, p_one, pairs_one), (out, two, p_two, pairs_two) = process_runs
     n = len(load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"])
-    common = ("--num_train_epochs", "2", "--local_micro_batch_size", "5", "--lr", "0.05", "--eps", "1")
-    _, one, p_one, pairs_one = launch_dpo(tiny_datasets, models_dir, tmp_path, "one",
-                                          "--gradient_accumulation_steps", "6", *common)
-    out, two, p_two, pairs_two = launch_dpo(tiny_datasets, models_dir, tmp_path, "two",
-                                            "--gradient_accumulation_steps", "3", *common,
-                                            launcher=accelerate_launcher(2))
     assert "world_size 2" in out and n == 300 and len(two) == 2 * n // 30
     epochs = [pairs_two["row_index"][:n], pairs_two["row_index"][n:]]
     for epoch in epochs:
@@ -266,21 +336,89 @@ def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(tiny_
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_matches_ddp(tiny_datasets, models_dir, tmp_path):
-    """Global batch 8 for 3 updates on 2 processes: DeepSpeed ZeRO-2 (the reference as a DeepSpeed
+def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_dir):
+    """Two processes stopped by SIGUSR1 once the first update is logged: they checkpoint at the end
+    of the update in progress and exit. Resumed on two processes: the uninterrupted two-process run
+    bit for bit (metric lines, weights, train_pairs.csv). Resumed on one process from a copy of the
+    same checkpoint (same global batch): the uninterrupted one-process run within the tolerances of
+    the test above, with the same pairs in the same updates."""
+    tmp_path, (_, one, p_one, pairs_one), (_, two, p_two, pairs_two) = process_runs
+    launcher = accelerate_launcher(2)
+    stopped = run_until_signalled(dpo_command(tiny_datasets, models_dir, tmp_path, "stopped", *PROCESSES[2],
+                                              launcher=launcher),
+                                  tmp_path, tmp_path / "runs" / "stopped" / "metrics.jsonl", 1)
+    (checkpoint,) = os.listdir(tmp_path / "stopped" / "checkpoints")
+    update = int(checkpoint[len("update-"):])
+    assert f"checkpoint saved at update {update}" in stopped.stdout and update < len(two)
+    assert len(read_metrics(str(tmp_path), "stopped")) == update
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path / "stopped", moved / "stopped")
+    shutil.copytree(tmp_path / "runs" / "stopped", moved / "runs" / "stopped")
+    out, _, p_resumed, pairs_resumed = launch_dpo(tiny_datasets, models_dir, tmp_path, "stopped", *PROCESSES[2],
+                                                  "--resume", launcher=launcher)
+    # (rich wraps the console at 80 columns, also inside a long path)
+    assert "".join(f"resumed run stopped from {tmp_path / 'stopped' / 'checkpoints' / checkpoint}".split()) in \
+        "".join(out.split())
+    assert without_rates(read_metrics(str(tmp_path), "stopped")) == without_rates(read_metrics(str(tmp_path), "two"))
+    assert_same_params(p_two, p_resumed, rtol=0, atol=0)
+    assert pairs_resumed.equals(pairs_two)
+    on_one, _, p_on_one = run_dpo(tiny_datasets, models_dir, str(moved), "stopped", resume=True, lr=0.05, eps=1.0,
+                                  num_train_epochs=2, local_micro_batch_size=5, gradient_accumulation_steps=6)
+    assert len(on_one) == len(one) == 20
+    assert curve(on_one) == pytest.approx(curve(one), rel=1e-5)
+    assert curve(on_one, "train/rm/accuracy") == pytest.approx(curve(one, "train/rm/accuracy"), abs=1e-9)
+    assert_same_params(p_one, p_on_one, rtol=1e-4, atol=1e-6)
+    pairs_on_one = pd.read_csv(moved / "runs" / "stopped" / "train_pairs.csv")
+    for (_, a), (_, b) in zip(pairs_one.groupby("update"), pairs_on_one.groupby("update"), strict=True):
+        assert sorted(a["row_index"]) == sorted(b["row_index"])
+
+
+# global batch 8 on two processes (micro-batch 2 x accumulation 2 each) for 12 updates: enough of
+# them for a stop signal to arrive while the run is still training
+ZERO2 = ("--total_episodes", "96", "--local_micro_batch_size", "2", "--gradient_accumulation_steps", "2",
+         "--lr", "0.05", "--eps", "1")
+
+
+@pytest.fixture(scope="module")
+def zero2_runs(tiny_datasets, models_dir, tmp_path_factory):
+    """The uninterrupted DeepSpeed ZeRO-2 run on two processes: (folder, its launch_dpo result)."""
+    tmp_path = tmp_path_factory.mktemp("dpo_zero2")
+    return tmp_path, launch_dpo(tiny_datasets, models_dir, tmp_path, "ds", "--deepspeed", *ZERO2,
+                                launcher=accelerate_launcher(2, DS_CONFIG))
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_matches_ddp(zero2_runs, tiny_datasets, models_dir, tmp_path):
+    """Global batch 8 for 12 updates on 2 processes: DeepSpeed ZeRO-2 (the reference as a DeepSpeed
     inference engine) == plain PyTorch DDP."""
-    common = ("--total_episodes", "24", "--local_micro_batch_size", "2", "--gradient_accumulation_steps", "2",
-              "--lr", "0.05", "--eps", "1")
-    _, plain, p_plain, _ = launch_dpo(tiny_datasets, models_dir, tmp_path, "plain", *common,
+    _, (out, ds, p_ds, _) = zero2_runs
+    _, plain, p_plain, _ = launch_dpo(tiny_datasets, models_dir, tmp_path, "plain", *ZERO2,
                                       launcher=accelerate_launcher(2))
-    out, ds, p_ds, _ = launch_dpo(tiny_datasets, models_dir, tmp_path, "ds", "--deepspeed", *common,
-                                  launcher=accelerate_launcher(2, DS_CONFIG))
     assert "DeepSpeed engine: ZeRO-2, gradient_clipping 0.0" in out
     assert "reference policy: DeepSpeed ZeRO-0 engine, torch.float32" in " ".join(out.split())
-    assert len(ds) == 3
+    assert len(ds) == 12
     for key in ("train/rm/loss", "train/rm/chosen_rewards", "train/dpo/ref_logps_chosen"):
         assert curve(plain, key) == pytest.approx(curve(ds, key), rel=1e-5), key
     assert_same_params(p_plain, p_ds, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_deepspeed_resume_equals_the_uninterrupted_run(zero2_runs, tiny_datasets, models_dir):
+    """DeepSpeed ZeRO-2 on two processes, stopped by SIGUSR1 once the first update is logged and
+    resumed from DeepSpeed's own checkpoint (the frozen reference is not in it: it never changes):
+    the uninterrupted run's metric lines, weights and train_pairs.csv, bit for bit."""
+    tmp_path, (_, _, p_whole, pairs_whole) = zero2_runs
+    launcher = accelerate_launcher(2, DS_CONFIG)
+    run_until_signalled(dpo_command(tiny_datasets, models_dir, tmp_path, "stopped", "--deepspeed", *ZERO2,
+                                    launcher=launcher), tmp_path, tmp_path / "runs" / "stopped" / "metrics.jsonl", 1)
+    (checkpoint,) = os.listdir(tmp_path / "stopped" / "checkpoints")
+    assert "pytorch_model" in os.listdir(tmp_path / "stopped" / "checkpoints" / checkpoint)  # DeepSpeed's format
+    assert int(checkpoint[len("update-"):]) < 12
+    _, _, p_resumed, pairs_resumed = launch_dpo(tiny_datasets, models_dir, tmp_path, "stopped", "--deepspeed", *ZERO2,
+                                                "--resume", launcher=launcher)
+    assert without_rates(read_metrics(str(tmp_path), "stopped")) == without_rates(read_metrics(str(tmp_path), "ds"))
+    assert_same_params(p_whole, p_resumed, rtol=0, atol=0)
+    assert pairs_resumed.equals(pairs_whole)
 
 
 def test_clear_errors(tiny_datasets, models_dir, tmp_path):
@@ -311,7 +449,8 @@ def test_clear_errors(tiny_datasets, models_dir, tmp_path):
     *((sft, n) for n in ("derive_batch_sizes", "clipping_norm", "epoch_permutations", "first_true_indices",
                          "truncate_response", "forward", "generation_config", "without_stop_ids", "generate",
                          "looks_local", "load_tokenizer", "load_split_dataset", "disable_dropout",
-                         "enable_gradient_checkpointing", "Logger", "push_to_hub")),
+                         "enable_gradient_checkpointing", "Logger", "push_to_hub", "rng_state", "set_rng_state",
+                         "find_checkpoint", "Checkpoints")),
     (reward, "pair_table"),
     (reward, "accuracy_breakdown"),
     *((ppo_left_padding, n) for n in ("check_model_path", "frozen_dtype", "load_policy", "prepare_frozen",

@@ -1,8 +1,10 @@
 import glob
 import inspect
+import io
 import json
 import math
 import os
+import shutil
 import threading
 import time
 
@@ -15,7 +17,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForCausalLM,
                           GPTNeoXForSequenceClassification)
 
-from conftest import accelerate_launcher, run_in_process, run_script
+from conftest import accelerate_launcher, run_in_process, run_script, run_until_signalled, signal_on_call
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import reward, sft
 
@@ -77,7 +79,8 @@ def test_truncation_after_eos_known_answer_and_same_as_sft():
 @pytest.mark.parametrize("name", ["clipping_norm", "epoch_permutations", "first_true_indices", "truncate_response",
                                   "forward", "generation_config", "without_stop_ids", "generate", "looks_local",
                                   "load_tokenizer", "load_split_dataset", "disable_dropout",
-                                  "enable_gradient_checkpointing", "Logger", "push_to_hub"])
+                                  "enable_gradient_checkpointing", "Logger", "push_to_hub", "rng_state",
+                                  "set_rng_state", "find_checkpoint", "Checkpoints"])
 def test_copies_of_sft_helpers_are_identical(name):
     assert inspect.getsource(getattr(ppo, name)) == inspect.getsource(getattr(sft, name))
 
@@ -274,6 +277,27 @@ def test_adaptive_kl_controller():
     assert ctl.value == pytest.approx(before * (1 - 0.1 * 1000 / 10000))
 
 
+def test_adaptive_kl_controller_state_dict_known_answer():
+    """A checkpoint keeps the coefficient reached (target and horizon come from the arguments); a
+    controller loaded from it continues exactly as the saved one would have."""
+    ctl = ppo.AdaptiveKLController(0.05, target=6.0, horizon=10000)
+    assert ctl.state_dict() == {"value": 0.05}
+    ctl.update(9.0, 500)  # error 0.5 clipped to 0.2: 0.05 * (1 + 0.2 * 500 / 10000)
+    state = ctl.state_dict()
+    assert state == {"value": pytest.approx(0.0505, rel=1e-12)}
+    buffer = io.BytesIO()  # (checkpoints keep it in state.pt)
+    torch.save([state], buffer)
+    buffer.seek(0)
+    (saved,) = torch.load(buffer, weights_only=False)
+    ctl.update(3.0, 1000)  # the state taken before is not a live view of the controller
+    assert saved == state and state["value"] != ctl.value
+    loaded = ppo.AdaptiveKLController(0.05, target=6.0, horizon=10000)
+    loaded.load_state_dict(saved)
+    assert loaded.value == 0.05 * (1 + 0.2 * 500 / 10000)
+    loaded.update(3.0, 1000)  # error -0.5 clipped to -0.2
+    assert loaded.value == ctl.value == pytest.approx(0.0505 * (1 - 0.2 * 1000 / 10000), rel=1e-12)
+
+
 def test_derive_batch_sizes():
     args = ppo.Args(local_micro_batch_size=2, gradient_accumulation_steps=4, nminibatches=2,
                     local_rollout_forward_batch_size=8, total_episodes=100)
@@ -412,18 +436,31 @@ def flags(args: ppo.Args) -> list:
     return out
 
 
+def command(args: ppo.Args, num_processes: int, config=None) -> list:
+    """`accelerate launch` of the script with `args` (gloo on CPU, or DeepSpeed with `config`)."""
+    return accelerate_launcher(num_processes, config) + [SCRIPT, *flags(args)]
+
+
 def launch(args: ppo.Args, workdir, num_processes: int, config=None):
     """The script through `accelerate launch` (gloo on CPU); returns (stdout, metrics)."""
-    result = run_script(accelerate_launcher(num_processes, config) + [SCRIPT, *flags(args)], workdir, OMP_NUM_THREADS="1")
+    result = run_script(command(args, num_processes, config), workdir, OMP_NUM_THREADS="1")
     return result.stdout, read_metrics(workdir, args.run_name)
 
 
-def assert_same_metrics(a: list, b: list, rel: float, abs_: float) -> None:
+def variant(args: ppo.Args, workdir, name: str, **changes) -> ppo.Args:
+    """`args` as another run `name` (output in `workdir/name`), with `changes`."""
+    return ppo.Args(**{**vars(args), "run_name": name, "output_dir": os.path.join(workdir, name), **changes})
+
+
+def assert_same_metrics(a: list, b: list, rel: float, abs_: float, clipfrac_abs: float = None) -> None:
+    """`clipfrac_abs`: the clip fractions (counts of tokens past a clipping boundary) within this
+    absolute tolerance instead."""
     assert [m["step"] for m in a] == [m["step"] for m in b]
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
         for key in x.keys() - NOT_COMPARED:
-            assert x[key] == pytest.approx(y[key], rel=rel, abs=abs_), (x["step"], key, x[key], y[key])
+            tolerance = dict(rel=0, abs=clipfrac_abs) if clipfrac_abs and "clipfrac" in key else dict(rel=rel, abs=abs_)
+            assert x[key] == pytest.approx(y[key], **tolerance), (x["step"], key, x[key], y[key])
 
 
 def assert_same_params(a: dict, b: dict, rtol: float, atol: float) -> None:
@@ -572,11 +609,13 @@ def test_validation_score_uses_new_queries_each_update(split_runs, tiny_datasets
 
 @pytest.fixture(scope="module")
 def one_process(tiny_datasets, checkpoints, tmp_path_factory):
-    """Global batch 8 for 3 updates in one process (micro-batch 2 x accumulation 4), with reward
-    whitening and the adaptive KL controller on so that the multi-process runs check them too."""
+    """Global batch 8 for 4 updates in one process (micro-batch 2 x accumulation 4), with reward
+    whitening, the adaptive KL controller and a sample table every update on, so that the
+    multi-process runs check them too. (4 updates: a run signalled once its first update is logged
+    is still in the middle of its second, a second or more before its end.)"""
     workdir = str(tmp_path_factory.mktemp("ppo_one"))
-    common = dict(total_episodes=24, local_micro_batch_size=2, local_rollout_forward_batch_size=2, lr=1e-3,
-                  ppo_whiten_rewards=True, ppo_use_adaptive_kl=True)
+    common = dict(total_episodes=32, local_micro_batch_size=2, local_rollout_forward_batch_size=2, lr=1e-3,
+                  print_sample_output_freq=1, ppo_whiten_rewards=True, ppo_use_adaptive_kl=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -600,29 +639,57 @@ def test_adaptive_kl_coefficient_known_answer(one_process):
 
 
 # Tolerance of the invariance runs: the same responses are sampled (per-chunk seeds), but gradients
-# are summed in another order over processes; 3 updates keep float32 differences ~1e-6 relative.
+# are summed in another order over processes; 4 updates keep float32 differences ~1e-6 relative.
 RUN_REL, RUN_ABS = 1e-4, 1e-6
+# A clip fraction counts tokens past a clipping boundary: that float32 noise can move a token lying
+# at the boundary across it, which changes the fraction by that token's share (here 1 / (4 epochs x
+# ~75 real tokens of a minibatch) ~ 0.003: the resume on one process below met one such token).
+# 0.01 allows about three; everything else keeps RUN_REL / RUN_ABS.
+CLIPFRAC_ABS = 0.01
+
+
+@pytest.fixture(scope="module")
+def two_processes(one_process):
+    """`one_process`'s run on two processes (launched once: the resume test compares with it too)."""
+    workdir, _, _, two_args = one_process
+    stdout, metrics = launch(two_args, workdir, 2)
+    return stdout, metrics, load_file(os.path.join(workdir, "two", "model.safetensors"))
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(one_process):
-    workdir, metrics, params, two_args = one_process
-    stdout, two = launch(two_args, workdir, 2)
-    assert "world_size 2" in stdout and len(two) == 3
+def test_two_processes_match_one_process(one_process, two_processes):
+    _, metrics, params, _ = one_process
+    stdout, two, two_params = two_processes
+    assert "world_size 2" in stdout and len(two) == 4
     assert_same_metrics(metrics, two, RUN_REL, RUN_ABS)
-    assert_same_params(params, load_file(os.path.join(workdir, "two", "model.safetensors")), rtol=1e-4, atol=1e-6)
+    assert_same_params(params, two_params, rtol=1e-4, atol=1e-6)
+
+
+def deepspeed_args(one_process, name: str, offload: bool = False) -> ppo.Args:
+    workdir, _, _, two_args = one_process
+    return variant(two_args, workdir, name, deepspeed=True, offload=offload)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_run(one_process):
+    """`one_process`'s run on two processes under DeepSpeed ZeRO-2 (launched once: the resume test
+    compares with it too)."""
+    workdir = one_process[0]
+    stdout, metrics = launch(deepspeed_args(one_process, "ds_offloadFalse"), workdir, 2, config=DS_CONFIG)
+    return stdout, metrics, load_file(os.path.join(workdir, "ds_offloadFalse", "model.safetensors"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("offload", [False, True])
-def test_deepspeed_matches_one_process(one_process, offload):
+def test_deepspeed_matches_one_process(one_process, offload, request):
     """ZeRO-2 for policy + critic over 2 processes; the frozen reference and reward model as
     DeepSpeed inference engines, with --offload as ZeRO-3 engines whose parameters stay on the CPU."""
-    workdir, metrics, params, two_args = one_process
+    workdir, metrics, params, _ = one_process
     name = f"ds_offload{offload}"
-    args = ppo.Args(**{**vars(two_args), "run_name": name, "output_dir": os.path.join(workdir, name),
-                       "deepspeed": True, "offload": offload})
-    stdout, ds = launch(args, workdir, 2, config=DS_CONFIG)
+    if offload:
+        stdout, ds = launch(deepspeed_args(one_process, name, offload=True), workdir, 2, config=DS_CONFIG)
+    else:
+        stdout, ds, _ = request.getfixturevalue("deepspeed_run")
     assert "DeepSpeed engine: ZeRO-2, gradient_clipping 0.0" in stdout  # off, as without DeepSpeed
     if offload:
         assert stdout.count("DeepSpeed ZeRO-3 engine, torch.float32, parameter offload cpu, 0 of") == 2, stdout[-2000:]
@@ -692,3 +759,158 @@ def test_clear_errors(tiny_datasets, checkpoints, tmp_path):
     fails(ValueError, r"lacks columns \['reference_response_token'\]", query_dataset=os.path.join(data_dir, "preference"))
     fails(FileNotFoundError, "/no/such/rm does not exist", reward_model_path="/no/such/rm")
     fails(FileNotFoundError, "does not exist \\(build it with tldr_dataset.py\\)", query_dataset="./nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints and exact resume (DESIGN section 15)
+# ---------------------------------------------------------------------------------------------
+
+
+def without_rates(metrics: list) -> list:
+    """Metric lines without the wall-clock rate (ppo/eps)."""
+    return [{k: v for k, v in m.items() if k != "ppo/eps"} for m in metrics]
+
+
+def run_files(workdir, name: str, pattern: str) -> dict:
+    """The text of the files `pattern` in the run's folder, by file name."""
+    paths = glob.glob(os.path.join(workdir, "runs", name, pattern))
+    return {os.path.basename(p): open(p).read() for p in paths}
+
+
+def checkpoint_of(output_dir) -> tuple:
+    """(folder, update) of the only checkpoint a stopped run left."""
+    (name,) = os.listdir(os.path.join(output_dir, "checkpoints"))
+    return os.path.join(output_dir, "checkpoints", name), int(name[len("update-"):])
+
+
+def fail_on_call(monkeypatch, module, name: str, call: int) -> None:
+    """The `call`-th call of `module.name` raises: the run dies there, as in a crash."""
+    original, calls = getattr(module, name), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError("crashed")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_datasets, checkpoints, tmp_path,
+                                                                       one_thread, monkeypatch):
+    """4 updates of 8 in 2 minibatches (micro-batch 2 x accumulation 2), with reward whitening, the
+    adaptive KL controller, a sample table every update and the final eval. SIGUSR1 arrives in the
+    24th policy loss (4 epochs x 2 minibatches x 2 micro-batches = 16 per update: the middle of
+    update 2): the run finishes update 2, checkpoints it and exits with 75. A first --resume crashes
+    in update 4 (after logging update 3); the second --resume (no run name given: the checkpoint's)
+    then gives the uninterrupted run's weights, metrics.jsonl lines (ppo/eps aside), sample tables
+    and eval tables, bit for bit. The minibatches come from numpy's RNG (a permutation per epoch)
+    and the KL coefficient moves every update: both from the checkpoint."""
+    workdir = str(tmp_path)
+    common = dict(total_episodes=32, nminibatches=2, local_micro_batch_size=2, gradient_accumulation_steps=2,
+                  local_rollout_forward_batch_size=8, local_eval_batch_size=8, lr=1e-3, print_sample_output_freq=1,
+                  run_eval=True, ppo_whiten_rewards=True, ppo_use_adaptive_kl=True)
+    whole = run_ppo(tiny_args(tiny_datasets, checkpoints, workdir, "whole", **common), workdir)
+    with monkeypatch.context() as patch:
+        signal_on_call(patch, ppo, "policy_loss", 16 + 8)
+        with pytest.raises(SystemExit) as stopped:
+            run_ppo(tiny_args(tiny_datasets, checkpoints, workdir, "stopped", **common), workdir)
+    assert stopped.value.code == ppo.CHECKPOINT_EXIT_CODE == 75
+    path, update = checkpoint_of(os.path.join(workdir, "stopped"))
+    assert update == 2 and [m["step"] for m in read_metrics(workdir, "stopped")] == [1, 2]
+    assert not os.path.exists(os.path.join(workdir, "stopped", "model.safetensors"))  # (stopped, not finished)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
+    assert (state["update"], state["run_name"], state["world_size"], state["deepspeed"]) == (2, "stopped", 1, False)
+    # the KL coefficient reached after update 2 is the one update 3 logs (and no longer the initial one)
+    saved = torch.load(os.path.join(path, "state.pt"), weights_only=False)["objects"]
+    assert saved == [{"value": whole[2]["objective/kl_coef"]}] and whole[2]["objective/kl_coef"] != 0.05
+    # the minibatch and the rollout chunk (which seeds the sampling) belong to the run: another is refused
+    for change, mismatch in ((dict(nminibatches=1, gradient_accumulation_steps=4), "mini_batch_size 4 there, 8 here"),
+                             (dict(local_rollout_forward_batch_size=4), "local_rollout_forward_batch_size 8 there, 4")):
+        with pytest.raises(ValueError, match=f"update-0000002 is not a checkpoint of this run: {mismatch}"):
+            run_ppo(tiny_args(tiny_datasets, checkpoints, workdir, "stopped", resume=True, **{**common, **change}),
+                    workdir)
+
+    # a resumed run that crashes (no notice, no checkpoint) in update 4, after update 3 was logged
+    with monkeypatch.context() as patch:
+        fail_on_call(patch, ppo, "policy_loss", 16 + 1)
+        with pytest.raises(RuntimeError, match="crashed"):
+            run_ppo(tiny_args(tiny_datasets, checkpoints, workdir, "stopped", resume=True, **common), workdir)
+    assert [m["step"] for m in read_metrics(workdir, "stopped")] == [1, 2, 3]
+    assert checkpoint_of(os.path.join(workdir, "stopped")) == (path, 2)
+
+    # resumed again (no run name given: the checkpoint's): metrics.jsonl is cut back to update 2
+    resumed = run_ppo(tiny_args(tiny_datasets, checkpoints, workdir, "stopped", resume=True, run_name=None, **common),
+                      workdir)
+    assert [m["step"] for m in whole] == [1, 2, 3, 4, 4, 4]  # 4 updates, then validation and test
+    assert without_rates(resumed) == without_rates(whole)
+    assert_same_params(load_file(os.path.join(workdir, "whole", "model.safetensors")),
+                       load_file(os.path.join(workdir, "stopped", "model.safetensors")), rtol=0, atol=0)
+    samples = run_files(workdir, "whole", "samples_*.csv")
+    assert len(samples) == 4 and run_files(workdir, "stopped", "samples_*.csv") == samples
+    tables = run_files(workdir, "whole", "*_table.csv")
+    assert len(tables) == 2 and run_files(workdir, "stopped", "*_table.csv") == tables
+
+
+@pytest.mark.slow
+def test_resume_on_two_processes_and_on_one(one_process, two_processes, one_thread):
+    """`one_process`'s run on two processes, stopped by SIGUSR1 once its first update is logged.
+    Resumed on two processes: the uninterrupted two-process run, bit for bit (metrics without
+    ppo/eps, sample tables, weights). A copy of the checkpoint and the run folder resumed on one
+    process (the same global batch of 8, local batch 8 instead of 4): the uninterrupted one-process
+    run, within the tolerance of the one- vs two-process test (the same responses, the gradient of
+    each minibatch summed in another order over micro-batches and processes; the clip fractions
+    within CLIPFRAC_ABS). The restored rank-0 RNG drew permutations of 4 on two processes: on one
+    process it permutes 8, another order of the same micro-batches than in either uninterrupted run
+    (one minibatch per epoch), so only float rounding separates them."""
+    workdir, one, p_one, two_args = one_process
+    _, two, p_two = two_processes
+    args = variant(two_args, workdir, "stopped")
+    stopped = run_until_signalled(command(args, 2), workdir, os.path.join(workdir, "runs", "stopped", "metrics.jsonl"),
+                                  1, OMP_NUM_THREADS="1")
+    path, update = checkpoint_of(os.path.join(workdir, "stopped"))
+    assert f"checkpoint saved at update {update}" in stopped.stdout
+    assert 1 <= update < 4, update  # (4: a signal that came too late to test much)
+    assert sorted(os.listdir(path)) == ["rng_rank0.pt", "rng_rank1.pt", "state.pt", "trainer_state.json"]
+    moved = os.path.join(workdir, "moved")
+    shutil.copytree(os.path.join(workdir, "stopped"), os.path.join(moved, "stopped"))
+    shutil.copytree(os.path.join(workdir, "runs", "stopped"), os.path.join(moved, "runs", "stopped"))
+
+    result = run_script(command(variant(args, workdir, "stopped", resume=True), 2), workdir, OMP_NUM_THREADS="1")
+    assert f"resumed run stopped from {path} at update {update}" in " ".join(result.stdout.split())
+    assert without_rates(read_metrics(workdir, "stopped")) == without_rates(two)
+    assert_same_params(p_two, load_file(os.path.join(workdir, "stopped", "model.safetensors")), rtol=0, atol=0)
+    samples = run_files(workdir, "two", "samples_*.csv")
+    assert len(samples) == 4 and run_files(workdir, "stopped", "samples_*.csv") == samples
+
+    on_one = run_ppo(variant(two_args, moved, "stopped", resume=True, gradient_accumulation_steps=4,
+                             local_eval_batch_size=4), moved)
+    assert without_rates(on_one[:update]) == without_rates(two[:update])  # (the lines kept from the stop)
+    assert_same_metrics(one, on_one, RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS)
+    assert_same_params(p_one, load_file(os.path.join(moved, "stopped", "model.safetensors")), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_deepspeed_resume_equals_the_uninterrupted_run(one_process, deepspeed_run):
+    """DeepSpeed ZeRO-2 on two processes, stopped by SIGUSR1 once its first update is logged and
+    resumed from DeepSpeed's own checkpoint (with every rank's RNG and the KL controller through
+    accelerate): the uninterrupted DeepSpeed run's metrics (ppo/eps aside), sample tables and
+    weights, bit for bit."""
+    workdir = one_process[0]
+    _, whole, p_whole = deepspeed_run
+    args = deepspeed_args(one_process, "ds_stopped")
+    metrics_path = os.path.join(workdir, "runs", "ds_stopped", "metrics.jsonl")
+    run_until_signalled(command(args, 2, DS_CONFIG), workdir, metrics_path, 1, OMP_NUM_THREADS="1")
+    path, update = checkpoint_of(os.path.join(workdir, "ds_stopped"))
+    assert 1 <= update < 4, update
+    # DeepSpeed's ZeRO files, with accelerate's per-rank RNG files and the KL controller
+    files = os.listdir(path)
+    assert {"pytorch_model", "custom_checkpoint_0.pkl", "random_states_0.pkl", "random_states_1.pkl"} <= set(files)
+    result = run_script(command(variant(args, workdir, "ds_stopped", resume=True), 2, DS_CONFIG), workdir,
+                        OMP_NUM_THREADS="1")
+    assert f"resumed run ds_stopped from {path} at update {update}" in " ".join(result.stdout.split())
+    assert without_rates(read_metrics(workdir, "ds_stopped")) == without_rates(whole)
+    assert_same_params(p_whole, load_file(os.path.join(workdir, "ds_stopped", "model.safetensors")), rtol=0, atol=0)
+    samples = run_files(workdir, "ds_offloadFalse", "samples_*.csv")
+    assert len(samples) == 4 and run_files(workdir, "ds_stopped", "samples_*.csv") == samples

@@ -2,17 +2,18 @@ import inspect
 import json
 import math
 import os
+import shutil
 import sys
 
 import pandas as pd
 import pytest
 import torch
-from datasets import load_from_disk
+from datasets import DatasetDict, load_from_disk
 from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
                           GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForSequenceClassification)
 
-from conftest import accelerate_launcher, run_in_process, run_script
+from conftest import accelerate_launcher, run_in_process, run_script, run_until_signalled, signal_on_call
 from summarize_from_feedback_details import reward, sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -236,6 +237,67 @@ def test_gradient_checkpointing_changes_nothing(tiny_datasets, models_dir, tmp_p
     assert_same_params(saved_params(workdir, "plain"), saved_params(workdir, "checkpointed"), rtol=0, atol=0)
 
 
+def read_metrics(workdir, name) -> list:
+    """Every line of a run's metrics.jsonl, in order."""
+    with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def without_rates(metrics: list) -> list:
+    """Metric lines without the wall-clock rates (episodes per second)."""
+    return [{k: v for k, v in m.items() if not k.endswith("/eps")} for m in metrics]
+
+
+def run_file(workdir, name, table) -> str:
+    with open(os.path.join(workdir, "runs", name, f"{table}.csv")) as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def quick_eval_data(tiny_datasets, tmp_path_factory):
+    """The tiny default's preference data with short eval splits (20 and 10 pairs) and the first 30
+    SFT train references (what the normalisation scores): the same training, a quicker eval and
+    normalisation. (label_dataset, query_dataset)"""
+    folder = tmp_path_factory.mktemp("reward_quick_eval")
+    for name, sizes in (("preference", {"validation": 20, "validation_cnndm": 10}), ("sft", {"train": 30})):
+        data = load_from_disk(os.path.join(tiny_datasets[0], name))
+        DatasetDict({split: ds.select(range(sizes[split])) if split in sizes else ds for split, ds in data.items()}
+                    ).save_to_disk(str(folder / name))
+    return str(folder / "preference"), str(folder / "sft")
+
+
+def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_datasets, models_dir, quick_eval_data,
+                                                                       tmp_path, monkeypatch):
+    """6 updates of 6 pairs (micro-batch 2 x accumulation 3) with the eval. SIGUSR1 arrives in the
+    8th training forward (pair_rewards; the eval's come after training), the second of update 3's
+    three micro-batches: the run finishes update 3, checkpoints, exits with 75 and leaves exactly
+    that checkpoint and no model. --resume then gives the uninterrupted run bit for bit: weights,
+    metrics.jsonl (the eval's and the normalisation's lines included), train_pairs.csv (the first
+    3 updates' pairs come from the checkpoint), the eval tables and the reference rewards."""
+    label_dataset, query_dataset = quick_eval_data
+    common = dict(total_episodes=36, local_micro_batch_size=2, gradient_accumulation_steps=3, run_eval=True,
+                  label_dataset=label_dataset, query_dataset=query_dataset)
+    workdir = str(tmp_path)
+    run_reward(tiny_datasets, models_dir, workdir, "whole", **common)
+    with monkeypatch.context() as patch:
+        signal_on_call(patch, reward, "pair_rewards", 8)
+        with pytest.raises(SystemExit) as stopped:
+            run_reward(tiny_datasets, models_dir, workdir, "stopped", **common)
+    assert stopped.value.code == reward.CHECKPOINT_EXIT_CODE == 75
+    assert os.listdir(tmp_path / "stopped") == ["checkpoints"]
+    assert os.listdir(tmp_path / "stopped" / "checkpoints") == ["update-0000003"]
+    assert [m["step"] for m in read_metrics(workdir, "stopped")] == [6, 12, 18]
+    run_reward(tiny_datasets, models_dir, workdir, "stopped", resume=True, **common)
+    whole = read_metrics(workdir, "whole")
+    assert without_rates(read_metrics(workdir, "stopped")) == without_rates(whole)
+    assert [m["step"] for m in whole] == [6, 12, 18, 24, 30, 36, 36, 36, 36]  # 6 updates, 2 evals, normalisation
+    assert "eval/rm/validation/accuracy" in whole[6] and "eval/rm/normalization_offset" in whole[-1]
+    assert_same_params(saved_params(workdir, "whole"), saved_params(workdir, "stopped"), rtol=0, atol=0)
+    for table in ("train_pairs", "eval_validation_table", "eval_validation_cnndm_table", "reference_rewards"):
+        assert run_file(workdir, "whole", table) == run_file(workdir, "stopped", table), table
+    assert len(pd.read_csv(tmp_path / "runs" / "stopped" / "train_pairs.csv")) == 36
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_datasets, models_dir, tmp_path_factory):
     """One short run with eval: 8 updates of 16 pairs (128 pairs), micro-batch 8 x accumulation 2."""
@@ -358,16 +420,18 @@ def test_clear_errors(tiny_datasets, models_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+def reward_command(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()) -> list:
+    data_dir, _ = tiny_datasets
+    return [*(launcher or [sys.executable]), SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
+            sft_model(models_dir), "--label_dataset", os.path.join(data_dir, "preference"), "--query_dataset",
+            os.path.join(data_dir, "sft"), "--output_dir", str(tmp_path / name), "--run_name", name, "--seed", "3",
+            "--lr", "1e-3", "--local_eval_batch_size", "64", *flags]
+
+
 def launch_reward(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()):
     """reward.py as a user launches it; returns (stdout, per-update metrics, weights, train_pairs table)."""
-    data_dir, _ = tiny_datasets
-    cmd = [*(launcher or [sys.executable]), SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
-           sft_model(models_dir), "--label_dataset", os.path.join(data_dir, "preference"), "--query_dataset",
-           os.path.join(data_dir, "sft"), "--output_dir", str(tmp_path / name), "--run_name", name, "--seed", "3",
-           "--lr", "1e-3", "--local_eval_batch_size", "64", *flags]
-    result = run_script(cmd, tmp_path)
-    with open(tmp_path / "runs" / name / "metrics.jsonl") as f:
-        train = [m for m in map(json.loads, f) if "train/rm/loss" in m]
+    result = run_script(reward_command(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=launcher), tmp_path)
+    train = [m for m in read_metrics(str(tmp_path), name) if "train/rm/loss" in m]
     pairs = pd.read_csv(tmp_path / "runs" / name / "train_pairs.csv")
     return result.stdout, train, load_file(str(tmp_path / name / "model.safetensors")), pairs
 
@@ -382,21 +446,30 @@ def assert_same_params(a, b, rtol=1e-4, atol=1e-6):
         assert torch.allclose(a[key], b[key], rtol=rtol, atol=atol), (key, (a[key] - b[key]).abs().max())
 
 
-@pytest.mark.slow
-def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(tiny_datasets, models_dir, tmp_path):
-    """Two epochs of the 300 training pairs, global batch 30: one process (micro 5 x accumulation 6)
-    and two processes (micro 5 x accumulation 3 each). Each epoch covers every pair id exactly once
-    across both ranks, in a fresh order, and the loss curve and weights match one process.
+# two epochs of the 300 training pairs, global batch 30 (20 updates): one process (micro-batch 5 x
+# accumulation 6) or two (5 x 3 each). Adam eps 1 and no clipping make the update ~ lr * gradient
+# (see the micro-batch test), so a gradient averaged wrongly over ranks would show.
+PROCESSES = {n: ("--num_train_epochs", "2", "--local_micro_batch_size", "5", "--gradient_accumulation_steps",
+                 str(6 // n), "--lr", "0.05", "--eps", "1") for n in (1, 2)}
 
-    Adam eps 1 and no clipping make the update ~ lr * gradient (see the micro-batch test), so a
-    gradient averaged wrongly over ranks would show; the tolerances cover float summation order."""
+
+@pytest.fixture(scope="module")
+def process_runs(tiny_datasets, models_dir, tmp_path_factory):
+    """The uninterrupted runs on one process and on two (gloo, DDP; rank 0 tracks to an offline wandb
+    run): (folder, one, two), each (stdout, per-update metrics, weights, train_pairs)."""
+    tmp_path = tmp_path_factory.mktemp("reward_processes")
+    one = launch_reward(tiny_datasets, models_dir, tmp_path, "one", *PROCESSES[1])
+    two = launch_reward(tiny_datasets, models_dir, tmp_path, "two", *PROCESSES[2], "--track",
+                        launcher=accelerate_launcher(2))
+    return tmp_path, one, two
+
+
+@pytest.mark.slow
+def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(process_runs, tiny_datasets, models_dir):
+    """Each epoch covers every pair id exactly once across both ranks, in a fresh order, and the
+    loss curve and weights match one process; the tolerances cover float summation order."""
+    tmp_path, (_, one, p_one, pairs_one), (out, two, p_two, pairs_two) = process_runs
     n = len(load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"])
-    common = ("--num_train_epochs", "2", "--local_micro_batch_size", "5", "--lr", "0.05", "--eps", "1")
-    _, one, p_one, pairs_one = launch_reward(tiny_datasets, models_dir, tmp_path, "one",
-                                             "--gradient_accumulation_steps", "6", *common)
-    out, two, p_two, pairs_two = launch_reward(tiny_datasets, models_dir, tmp_path, "two",
-                                               "--gradient_accumulation_steps", "3", "--track", *common,
-                                               launcher=accelerate_launcher(2))
     assert "world_size 2" in out and n == 300
     assert len(os.listdir(tmp_path / "wandb" / "latest-run")) > 0  # --track: one offline wandb run (rank 0)
     assert len([d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run")]) == 1
@@ -414,28 +487,111 @@ def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(tiny_
     assert_same_params(p_one, p_two)
     # the paper's order, kept behind a flag: each rank shuffles with its own seed, so an epoch
     # repeats some pairs and misses others
-    _, _, _, paper = launch_reward(tiny_datasets, models_dir, tmp_path, "paper", "--gradient_accumulation_steps", "3",
-                                   "--rank_dependent_shuffle", *common, launcher=accelerate_launcher(2))
+    _, _, _, paper = launch_reward(tiny_datasets, models_dir, tmp_path, "paper", *PROCESSES[2],
+                                   "--rank_dependent_shuffle", launcher=accelerate_launcher(2))
     first_epoch = set(paper["row_index"][:n])
     assert len(paper) == 2 * n and len(first_epoch) < 0.9 * n
 
 
 @pytest.mark.slow
+def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_dir):
+    """Two processes stopped by SIGUSR1 once the first update is logged: they checkpoint at the end
+    of the update in progress and exit. Resumed on two processes: the uninterrupted two-process run
+    bit for bit (metric lines, the normalisation's included; weights; train_pairs.csv; reference
+    rewards). Resumed on one process from a copy of the same checkpoint (same global batch): the
+    uninterrupted one-process run, within the tolerances of the test above, with the same pairs
+    in the same updates."""
+    tmp_path, (_, one, p_one, pairs_one), (_, two, p_two, pairs_two) = process_runs
+    launcher = accelerate_launcher(2)
+    stopped = run_until_signalled(reward_command(tiny_datasets, models_dir, tmp_path, "stopped", *PROCESSES[2],
+                                                 launcher=launcher),
+                                  tmp_path, tmp_path / "runs" / "stopped" / "metrics.jsonl", 1)
+    (checkpoint,) = os.listdir(tmp_path / "stopped" / "checkpoints")
+    update = int(checkpoint[len("update-"):])
+    assert f"checkpoint saved at update {update}" in stopped.stdout and update < len(two)
+    assert len(read_metrics(str(tmp_path), "stopped")) == update
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path / "stopped", moved / "stopped")
+    shutil.copytree(tmp_path / "runs" / "stopped", moved / "runs" / "stopped")
+    out, _, p_resumed, pairs_resumed = launch_reward(tiny_datasets, models_dir, tmp_path, "stopped", *PROCESSES[2],
+                                                     "--resume", launcher=launcher)
+    # (rich wraps the console at 80 columns, also inside a long path)
+    assert "".join(f"resumed run stopped from {tmp_path / 'stopped' / 'checkpoints' / checkpoint}".split()) in \
+        "".join(out.split())
+    assert without_rates(read_metrics(str(tmp_path), "stopped")) == without_rates(read_metrics(str(tmp_path), "two"))
+    assert_same_params(p_two, p_resumed, rtol=0, atol=0)
+    assert pairs_resumed.equals(pairs_two)
+    assert run_file(str(tmp_path), "stopped", "reference_rewards") == run_file(str(tmp_path), "two", "reference_rewards")
+    run_reward(tiny_datasets, models_dir, str(moved), "stopped", resume=True, lr=0.05, eps=1.0, num_train_epochs=2,
+               local_micro_batch_size=5, gradient_accumulation_steps=6)
+    on_one = [m for m in read_metrics(str(moved), "stopped") if "train/rm/loss" in m]
+    assert len(on_one) == len(one) == 20
+    assert curve(on_one) == pytest.approx(curve(one), rel=1e-5)
+    assert curve(on_one, "train/rm/accuracy") == pytest.approx(curve(one, "train/rm/accuracy"), abs=1e-9)
+    assert_same_params(p_one, saved_params(str(moved), "stopped"))
+    pairs_on_one = pd.read_csv(moved / "runs" / "stopped" / "train_pairs.csv")
+    for (_, a), (_, b) in zip(pairs_one.groupby("update"), pairs_on_one.groupby("update"), strict=True):
+        assert sorted(a["row_index"]) == sorted(b["row_index"])
+
+
+# global batch 8 (micro-batch 2) for 16 updates: enough of them for a stop signal to arrive while
+# the run is still training. Adam eps 1 as above; clipping at 0.1 is active here (at 1.0 these
+# gradients are not clipped), so both backends must clip the same way.
+ZERO2 = ("--total_episodes", "128", "--local_micro_batch_size", "2", "--lr", "0.05", "--eps", "1",
+         "--max_grad_norm", "0.1")
+
+
+@pytest.fixture(scope="module")
+def zero2_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("reward_zero2")
+
+
+@pytest.fixture(scope="module")
+def zero2_plain(tiny_datasets, models_dir, zero2_dir):
+    """Plain PyTorch on one process (micro-batch 2 x accumulation 4)."""
+    return launch_reward(tiny_datasets, models_dir, zero2_dir, "plain", *ZERO2, "--gradient_accumulation_steps", "4")
+
+
+@pytest.fixture(scope="module")
+def zero2_two(tiny_datasets, models_dir, zero2_dir):
+    """DeepSpeed ZeRO-2 on two processes (micro-batch 2 x accumulation 2 each), uninterrupted."""
+    return launch_reward(tiny_datasets, models_dir, zero2_dir, "ds2", "--deepspeed", *ZERO2,
+                         "--gradient_accumulation_steps", "2", launcher=accelerate_launcher(2, DS_CONFIG))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_deepspeed_zero2_matches_ddp(tiny_datasets, models_dir, tmp_path, num_processes):
-    """Same global batch of 8 for 4 updates: DeepSpeed ZeRO-2 (1 or 2 processes) == plain PyTorch
-    (Adam eps 1 as above). Clipping at 0.1 is active here (at 1.0 these gradients are not clipped),
-    so both backends must clip the same way."""
-    common = ("--total_episodes", "32", "--local_micro_batch_size", "2", "--lr", "0.05", "--eps", "1",
-              "--max_grad_norm", "0.1")
-    _, plain, p_plain, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "plain", *common,
-                                         "--gradient_accumulation_steps", "4")
-    out, ds, p_ds, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "ds", "--deepspeed", *common,
-                                     "--gradient_accumulation_steps", str(4 // num_processes),
-                                     launcher=accelerate_launcher(num_processes, DS_CONFIG))
-    assert "DeepSpeed engine: ZeRO-2, gradient_clipping 0.1" in out and len(ds) == 4
+def test_deepspeed_zero2_matches_ddp(tiny_datasets, models_dir, zero2_dir, zero2_plain, request, num_processes):
+    """Same global batch of 8 for 16 updates: DeepSpeed ZeRO-2 (1 or 2 processes) == plain PyTorch."""
+    _, plain, p_plain, _ = zero2_plain
+    if num_processes == 2:
+        out, ds, p_ds, _ = request.getfixturevalue("zero2_two")
+    else:
+        out, ds, p_ds, _ = launch_reward(tiny_datasets, models_dir, zero2_dir, "ds1", "--deepspeed", *ZERO2,
+                                         "--gradient_accumulation_steps", "4", launcher=accelerate_launcher(1, DS_CONFIG))
+    assert "DeepSpeed engine: ZeRO-2, gradient_clipping 0.1" in out and len(ds) == 16
     assert curve(plain) == pytest.approx(curve(ds), rel=1e-5)
     assert_same_params(p_plain, p_ds)
+
+
+@pytest.mark.slow
+def test_deepspeed_resume_equals_the_uninterrupted_run(zero2_two, zero2_dir, tiny_datasets, models_dir):
+    """DeepSpeed ZeRO-2 on two processes, stopped by SIGUSR1 once the first update is logged and
+    resumed from DeepSpeed's own checkpoint: the uninterrupted run's metric lines, weights and
+    train_pairs.csv, bit for bit."""
+    _, _, p_whole, pairs_whole = zero2_two
+    launcher = accelerate_launcher(2, DS_CONFIG)
+    flags = ("--deepspeed", *ZERO2, "--gradient_accumulation_steps", "2")
+    run_until_signalled(reward_command(tiny_datasets, models_dir, zero2_dir, "ds2_stopped", *flags, launcher=launcher),
+                        zero2_dir, zero2_dir / "runs" / "ds2_stopped" / "metrics.jsonl", 1)
+    (checkpoint,) = os.listdir(zero2_dir / "ds2_stopped" / "checkpoints")
+    assert "pytorch_model" in os.listdir(zero2_dir / "ds2_stopped" / "checkpoints" / checkpoint)  # DeepSpeed's format
+    assert int(checkpoint[len("update-"):]) < 16
+    _, _, p_resumed, pairs_resumed = launch_reward(tiny_datasets, models_dir, zero2_dir, "ds2_stopped", *flags,
+                                                   "--resume", launcher=launcher)
+    assert without_rates(read_metrics(str(zero2_dir), "ds2_stopped")) == without_rates(read_metrics(str(zero2_dir), "ds2"))
+    assert_same_params(p_whole, p_resumed, rtol=0, atol=0)
+    assert pairs_resumed.equals(pairs_whole)
 
 
 @pytest.mark.slow
@@ -465,7 +621,8 @@ def test_deepspeed_zero3_matches_ddp_and_saves_the_normalised_model(tiny_dataset
 
 @pytest.mark.parametrize("name", ["derive_batch_sizes", "clipping_norm", "epoch_permutations", "looks_local",
                                   "load_tokenizer", "load_split_dataset", "disable_dropout",
-                                  "enable_gradient_checkpointing", "Logger", "push_to_hub"])
+                                  "enable_gradient_checkpointing", "Logger", "push_to_hub", "rng_state",
+                                  "set_rng_state", "find_checkpoint", "Checkpoints"])
 def test_copies_of_sft_helpers_are_identical(name):
     assert inspect.getsource(getattr(reward, name)) == inspect.getsource(getattr(sft, name))
 

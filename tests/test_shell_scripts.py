@@ -5,18 +5,23 @@
   expanded as ${a[@]+"${a[@]}"}. No bash 4.2 ships with this machine's Debian (and BASH_COMPAT=42
   does not bring the old behaviour back), so a static check guards every script; TEST_BASH=<a bash
   4.2 build> also runs the sbatch wiring below (and tests/test_hello_world_script.py) under it.
-- The sbatch files' wiring, with the launcher replaced by a recorder (LAUNCHER): the flags each
-  stage gets, wandb only with TRACK=1, the node's whole memory. (`make test-slurm` submits them to
-  a real one-node Slurm cluster.)
+- The sbatch files' wiring, with the launcher replaced by a recorder (LAUNCHER, or a stand-in
+  `accelerate` on PATH): the flags each stage gets, wandb only with TRACK=1, the node's whole
+  memory, checkpoints and --resume, the multi-node launch line (stand-in `srun` and `scontrol` on
+  PATH), and the batch shell's signal handling: SIGUSR1 passed on to the stage, then the task
+  requeued; SIGTERM not passed on. (`make test-slurm` submits them to real Slurm clusters of one
+  and of two nodes.)
 """
 
 import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -159,54 +164,108 @@ def header(name):
 def test_sbatch_asks_for_the_whole_node(name):
     options = header(name)
     job = name.removesuffix(".sbatch")
-    assert options == [f"--job-name={job}", "--array=0-11", "--ntasks=1", "--gpus-per-task=8", "--exclusive",
-                       "--mem=0", "--output=slurm/logs/%x_%A_%a.out"]
+    assert options == [f"--job-name={job}", "--array=0-11", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-task=8",
+                       "--exclusive", "--mem=0", "--requeue", "--signal=B:USR1@900", "--open-mode=append",
+                       "--output=slurm/logs/%x_%A_%a.out"]
+    # the lead time the batch shell assumes (torchrun's shutdown timeout) is the header's
+    with open(os.path.join(ROOT, "sbatches/common.sh")) as f:
+        assert "SIGNAL_LEAD=${SBATCH_SIGNAL:-B:USR1@900}" in f.read()
 
 
-# stands in for the launcher: records its argv and, like the stages, saves a model to --output_dir
+# stands in for the launcher: records its argv (and the environment it got) and, like the stages,
+# saves a model to --output_dir
 RECORDER = f"""#!{sys.executable}
 import json, os, sys
 with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
+with open(os.environ["RECORD"] + ".env", "a") as f:
+    f.write(json.dumps({{k: v for k, v in os.environ.items() if k.startswith(("PET_", "SLURM_NODEID", "ACCELERATE_"))}})
+            + "\\n")
 if "--output_dir" in sys.argv:
     out = sys.argv[sys.argv.index("--output_dir") + 1]
     os.makedirs(out, exist_ok=True)
     open(os.path.join(out, "config.json"), "w").close()
 """
 
+# stands in for srun: records its options, then runs the command once per node (SLURM_NODEID
+# 0..N-1, one after the other, or at once with SRUN_PARALLEL=1, passing signals on as srun does)
+FAKE_SRUN = f"""#!{sys.executable}
+import json, os, signal, subprocess, sys
+args = sys.argv[1:]
+i = next(i for i, a in enumerate(args) if not a.startswith("-"))
+options, command = args[:i], args[i:]
+with open(os.environ["RECORD"] + ".srun", "a") as f:
+    f.write(json.dumps(options) + "\\n")
+nodes = int(next(o.split("=")[1] for o in options if o.startswith("--nodes=")))
+env = lambda n: dict(os.environ, SLURM_NODEID=str(n), SLURM_PROCID=str(n))
+if os.environ.get("SRUN_PARALLEL") == "1":
+    tasks = [subprocess.Popen(command, env=env(n)) for n in range(nodes)]
+    signal.signal(signal.SIGUSR1, lambda s, f: [t.send_signal(s) for t in tasks])
+    sys.exit(max(t.wait() for t in tasks))
+sys.exit(max(subprocess.run(command, env=env(n)).returncode for n in range(nodes)))
+"""
+
+# stands in for scontrol: the allocation's hosts gpu07 and gpu08 at 10.0.0.7 and 10.0.0.8; records
+# every call
+FAKE_SCONTROL = """#!/bin/bash
+echo "$*" >>"$RECORD.scontrol"
+case "$1 $2" in
+    "show hostnames") printf '%s\\n' gpu07 gpu08 ;;
+    "-o show") echo "NodeName=$4 Arch=x86_64 CoresPerSocket=48 NodeAddr=10.0.0.${4#gpu0} NodeHostName=$4 Port=0" ;;
+esac
+"""
+
+
+def executable(path, text):
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
 
 @pytest.fixture
 def repo(tmp_path):
-    """A submit directory with the sbatch files, the embedded default's inputs (empty) and a
-    recorder as the launcher."""
+    """A submit directory with the sbatch files, the embedded default's inputs (empty), a recorder
+    as the launcher, and bin/ with stand-ins for accelerate (the recorder), srun and scontrol."""
     shutil.copytree(os.path.join(ROOT, "sbatches"), tmp_path / "repo/sbatches")
     for need in ("data/tldr/sft", "data/tldr/preference", "models/tiny/pythia-tiny-s"):
         (tmp_path / "repo" / need).mkdir(parents=True)
-    recorder = tmp_path / "record.py"
-    recorder.write_text(RECORDER)
-    recorder.chmod(recorder.stat().st_mode | stat.S_IEXEC)
+    executable(tmp_path / "record.py", RECORDER)
+    (tmp_path / "bin").mkdir()
+    executable(tmp_path / "bin/accelerate", RECORDER)
+    executable(tmp_path / "bin/srun", FAKE_SRUN)
+    executable(tmp_path / "bin/scontrol", FAKE_SCONTROL)
     return tmp_path
+
+
+def environment(repo, models, task, **env):
+    """What Slurm gives array task `task` of a job over MODELS x seeds 1 and 2, plus `env`."""
+    n = len(models.split()) * 2
+    return {"PATH": "/usr/bin:/bin", "HOME": str(repo), "RECORD": str(repo / "record.jsonl"),
+            "LAUNCHER": str(repo / "record.py"), "MODELS": models, "SEEDS": "1 2", "OUTPUT_ROOT": str(repo / "out"),
+            "SLURM_SUBMIT_DIR": str(repo / "repo"), "SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "7",
+            "SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": str(n), "SLURM_ARRAY_TASK_MIN": "0",
+            "SLURM_ARRAY_TASK_MAX": str(n - 1), "SLURM_GPUS_PER_TASK": "8", **env}
+
+
+def records(repo, suffix=""):
+    path = repo / f"record.jsonl{suffix}"
+    if suffix == ".scontrol":
+        return path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def chain(repo, models="EleutherAI/pythia-1b-deduped", task=0, names=SBATCHES, **env):
     """Runs array task `task` of sft, reward, ppo_left_padding and dpo.sbatch (or `names`) one after
     the other, as Slurm would (bash, in the submit directory); returns the last result and the
     recorded argvs. (Slurm runs dpo beside reward and ppo, after sft: it reads only the SFT model.)"""
-    record = repo / "record.jsonl"
-    record.unlink(missing_ok=True)
-    n = len(models.split()) * 2
-    environment = {
-        "PATH": "/usr/bin:/bin", "HOME": str(repo), "RECORD": str(record), "LAUNCHER": str(repo / "record.py"),
-        "MODELS": models, "SEEDS": "1 2", "OUTPUT_ROOT": str(repo / "out"), "SLURM_SUBMIT_DIR": str(repo / "repo"),
-        "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": str(n),
-        "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": str(n - 1), "SLURM_GPUS_PER_TASK": "8", **env}
+    for suffix in ("", ".env", ".srun", ".scontrol"):
+        (repo / f"record.jsonl{suffix}").unlink(missing_ok=True)
+    environ = environment(repo, models, task, **env)
     for name in names:
-        result = subprocess.run([BASH, f"sbatches/{name}"], cwd=repo / "repo", env=environment,
+        result = subprocess.run([BASH, f"sbatches/{name}"], cwd=repo / "repo", env=environ,
                                 capture_output=True, text=True, timeout=60)
         if result.returncode != 0:
             break
-    calls = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
-    return result, calls
+    return result, records(repo)
 
 
 def flag(call, name):
@@ -303,3 +362,227 @@ def test_a_missing_earlier_model_stops_the_stage(repo, name, missing):
 def test_blank_launcher_is_refused(repo):
     result, calls = chain(repo, LAUNCHER=" ")
     assert result.returncode == 2 and "LAUNCHER is blank" in result.stderr and not calls
+
+
+# --- checkpoints and --resume ----------------------------------------------------------------------
+def test_checkpoint_every_by_stage(repo):
+    result, calls = chain(repo)
+    assert result.returncode == 0, result.stderr
+    # right after the script, so that a stage's own flags come later and win (tyro takes the last)
+    assert [c[1:3] for c in calls] == [["--checkpoint_every", e] for e in ("100", "100", "25", "100")]
+    result, calls = chain(repo, models="models/tiny/pythia-tiny-s", TINY="1")
+    assert result.returncode == 0, result.stderr
+    assert [c[1:3] for c in calls] == [["--checkpoint_every", e] for e in ("4", "4", "1", "2")]
+    result, calls = chain(repo, CHECKPOINT_EVERY="7", PPO_CHECKPOINT_EVERY="3", SFT_FLAGS="--checkpoint_every 9")
+    assert result.returncode == 0, result.stderr
+    assert [c[2] for c in calls] == ["7", "7", "3", "7"] and calls[0][-2:] == ["--checkpoint_every", "9"]
+    result, calls = chain(repo, names=("dpo.sbatch",), DPO_CHECKPOINT_EVERY="often")
+    assert result.returncode == 2 and not calls
+    assert "DPO_CHECKPOINT_EVERY / CHECKPOINT_EVERY must be a number of updates, got 'often'" in result.stderr
+
+
+def checkpoints(repo, stage="sft_1"):
+    return repo / "out/models/pythia-1b-deduped" / stage / "checkpoints"
+
+
+def test_resume_only_when_a_requeued_task_has_a_checkpoint(repo):
+    sft = ("sft.sbatch",)
+    # a first run, and a rerun (SLURM_RESTART_COUNT: Slurm requeued the task) without a checkpoint
+    for env in ({}, {"SLURM_RESTART_COUNT": "1"}):
+        result, calls = chain(repo, names=sft, **env)
+        assert result.returncode == 0 and len(calls) == 1 and "--resume" not in calls[0], result.stderr
+    # one being written (hidden, renamed when complete) does not count
+    (checkpoints(repo) / ".update-0000005.partial").mkdir(parents=True)
+    result, calls = chain(repo, names=sft, SLURM_RESTART_COUNT="1")
+    assert result.returncode == 0 and "--resume" not in calls[0], result.stderr
+    # a rerun with a checkpoint resumes: --resume comes last
+    for update in (4, 12):
+        (checkpoints(repo) / f"update-{update:07d}").mkdir(parents=True)
+    result, calls = chain(repo, names=sft, SLURM_RESTART_COUNT="1", SFT_FLAGS="--lr 1e-5")
+    assert result.returncode == 0, result.stderr
+    assert calls[0][-3:] == ["--lr", "1e-5", "--resume"]
+    # the stage finished: its checkpoints served their purpose and are deleted (not with
+    # KEEP_FINISHED_CHECKPOINTS=1)
+    assert not checkpoints(repo).exists()
+    assert f"the stage finished: deleting its checkpoints in {checkpoints(repo)}" in result.stdout
+    (checkpoints(repo) / "update-0000004").mkdir(parents=True)
+    result, calls = chain(repo, names=sft, SLURM_RESTART_COUNT="2", KEEP_FINISHED_CHECKPOINTS="1")
+    assert result.returncode == 0 and calls[0][-1] == "--resume" and (checkpoints(repo) / "update-0000004").is_dir()
+    # a first run that finds one (left by an earlier submission that did not finish) stops
+    result, calls = chain(repo, names=sft)
+    assert result.returncode == 2 and not calls
+    assert (f"{checkpoints(repo)} holds update-0000004 of an earlier submission of this task that did not finish: "
+            "RESUME=1 continues it, RESUME=0 deletes it and starts over") in result.stderr
+    result, calls = chain(repo, names=sft, RESUME="1", KEEP_FINISHED_CHECKPOINTS="1")
+    assert result.returncode == 0 and calls[0][-1] == "--resume"
+    result, calls = chain(repo, names=sft, RESUME="0", KEEP_FINISHED_CHECKPOINTS="1")
+    assert result.returncode == 0 and "--resume" not in calls[0] and not checkpoints(repo).exists()
+    # each stage looks into its own output dir
+    (checkpoints(repo, "ppo_1") / "update-0000010").mkdir(parents=True)
+    result, calls = chain(repo, SLURM_RESTART_COUNT="1")
+    assert result.returncode == 0, result.stderr
+    assert ["--resume" in c for c in calls] == [False, False, True, False]
+
+
+# --- several nodes ---------------------------------------------------------------------------------
+TWO_NODES = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_CPUS_ON_NODE": "96",
+             "LAUNCHER": ""}
+
+
+def stage_args(call):
+    """The stage's own arguments of a recorded launcher call (after the script)."""
+    script = next(i for i, a in enumerate(call) if a.endswith(".py"))
+    return call[script:]
+
+
+def test_two_nodes_launch_line(repo):
+    models = "EleutherAI/pythia-6.9b-deduped EleutherAI/pythia-1b-deduped"
+    path = f"{repo / 'bin'}:/usr/bin:/bin"
+    for task, ga_one_node in ((0, (16, 8, 64, 8)), (2, (1, 1, 4, 1))):
+        result, one = chain(repo, models=models, task=task, PATH=path, LAUNCHER="")
+        assert result.returncode == 0, result.stderr
+        assert not records(repo, ".srun") and len(one) == 4
+        result, two = chain(repo, models=models, task=task, PATH=path, **TWO_NODES)
+        assert result.returncode == 0, result.stderr
+        # one srun per stage, one launcher per node, with all of the node's CPUs
+        assert records(repo, ".srun") == [["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                                           "--cpus-per-task=96"]] * 4
+        assert records(repo, ".scontrol")[:2] == ["show hostnames gpu[07-08]", "-o show node gpu07"]
+        assert len(two) == 8
+        config = str(repo / "repo/deepspeed.yaml")
+        for i, (single, node0, node1) in enumerate(zip(one, two[::2], two[1::2])):
+            assert single[:5] == ["launch", "--config_file", config, "--num_processes", "8"]
+            for rank, call in enumerate((node0, node1)):
+                assert call[:15] == ["launch", "--config_file", config, "--num_processes", "16",
+                                     "--deepspeed_multinode_launcher", "standard", "--num_machines", "2",
+                                     "--machine_rank", str(rank), "--main_process_ip", "10.0.0.7",
+                                     "--main_process_port", str(20000 + 4242 % 10000)]
+                assert stage_args(call) == stage_args(node0)
+            # the same global batch over 16 processes
+            ga = int(flag(node0, "--gradient_accumulation_steps"))
+            micro = int(flag(node0, "--local_micro_batch_size"))
+            batch = (128, 64, 512, 64)[i]
+            assert micro * ga * 16 == batch
+            assert int(flag(single, "--gradient_accumulation_steps")) == ga_one_node[i]
+            if task == 0:  # 6.9b: micro batch 1, so the accumulation halves
+                assert micro == 1 and ga == ga_one_node[i] // 2
+                assert stage_args(node0) == [a if a != str(ga_one_node[i]) else str(ga) for a in stage_args(single)]
+        if task == 2:  # 1b: micro 16 / 8 shrinks to the 8 / 4 examples each of 16 processes gets
+            assert [int(flag(c, "--local_micro_batch_size")) for c in two[::2]] == [8, 4, 16, 4]
+            assert flag(two[4], "--local_rollout_forward_batch_size") == "32"  # = PPO's local batch
+        env = records(repo, ".env")
+        assert [e["SLURM_NODEID"] for e in env] == ["0", "1"] * 4
+        assert all(e["PET_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" and
+                   e["PET_SHUTDOWN_TIMEOUT"] == "900" for e in env)
+
+
+def test_two_nodes_tiny(repo):
+    path = f"{repo / 'bin'}:/usr/bin:/bin"
+    result, one = chain(repo, models="models/tiny/pythia-tiny-s", TINY="1", task=1)
+    assert result.returncode == 0, result.stderr
+    result, two = chain(repo, models="models/tiny/pythia-tiny-s", TINY="1", task=1, PATH=path, **TWO_NODES)
+    assert result.returncode == 0, result.stderr
+    assert len(two) == 8
+    for i, (single, node0, node1) in enumerate(zip(one, two[::2], two[1::2])):
+        assert node0[:11] == ["launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "2",
+                              "--machine_rank", "0", "--main_process_ip", "10.0.0.7", "--main_process_port"]
+        assert node1[:8] == node0[:7] + ["1"] and stage_args(node1) == stage_args(node0)
+        assert stage_args(single)[0] == stage_args(node0)[0]  # the same script; python launched it before
+        # the embedded default's batch, split over the two CPU processes
+        local = int(flag(node0, "--local_micro_batch_size")) * int(flag(node0, "--gradient_accumulation_steps"))
+        assert local * 2 == int(flag(single, "--local_micro_batch_size")) * int(
+            flag(single, "--gradient_accumulation_steps")) == (32, 32, 64, 32)[i]
+    assert flag(two[4], "--local_rollout_forward_batch_size") == "32"
+    assert all(e["ACCELERATE_USE_CPU"] == "1" for e in records(repo, ".env")[-8:])
+
+
+def test_nodes_must_match_the_allocation(repo):
+    result, calls = chain(repo, names=("sft.sbatch",), NODES="2", SLURM_JOB_NUM_NODES="1")
+    assert result.returncode == 2 and not calls
+    assert "NODES=2, but this job has 1 node(s): submit with sbatch --nodes=2" in result.stderr
+
+
+# --- the batch shell and stop signals ---------------------------------------------------------------
+# stands in for a stage: it records its pid once started; SIGUSR1 or SIGTERM makes it finish "the
+# update" (a second signal arriving meanwhile is recorded too), write update-0000003 to its
+# checkpoints and exit 75, as the stages do. Without a signal it ends after STAGE_SECONDS (30) with
+# status 0.
+STAGE = f"""#!{sys.executable}
+import os, signal, sys, time
+out = sys.argv[sys.argv.index("--output_dir") + 1]
+record = os.environ["RECORD"]
+got = []
+for sig in (signal.SIGUSR1, signal.SIGTERM):
+    signal.signal(sig, lambda signum, frame: got.append(signal.Signals(signum).name))
+with open(record + ".pid" + os.environ.get("SLURM_NODEID", ""), "w") as f:
+    f.write(str(os.getpid()))
+deadline = time.time() + float(os.environ.get("STAGE_SECONDS", "30"))
+while not got and time.time() < deadline:
+    time.sleep(0.05)
+time.sleep(0.5)
+with open(record + ".signals", "a") as f:
+    f.write(" ".join(got) + "\\n")
+if got:
+    os.makedirs(os.path.join(out, "checkpoints", "update-0000003"), exist_ok=True)
+    sys.exit(75)
+"""
+
+
+def start_stage(repo, pid_files=("",), **env):
+    """sft.sbatch with the stand-in stage as its launcher, once the stage runs (on every node)."""
+    executable(repo / "stage.py", STAGE)
+    for suffix in (".signals", ".scontrol", ".srun"):
+        (repo / f"record.jsonl{suffix}").unlink(missing_ok=True)
+    environ = environment(repo, "EleutherAI/pythia-1b-deduped", 0, **{
+        "PATH": f"{repo / 'bin'}:/usr/bin:/bin", **env, "LAUNCHER": str(repo / "stage.py")})
+    process = subprocess.Popen([BASH, "sbatches/sft.sbatch"], cwd=repo / "repo", env=environ,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = [repo / f"record.jsonl.pid{n}" for n in pid_files]
+    deadline = time.time() + 30
+    while not all(p.exists() and p.read_text() for p in pids):
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.05)
+    return process, [int(p.read_text()) for p in pids]
+
+
+def test_usr1_reaches_the_stage_then_the_task_requeues_itself(repo):
+    process, _ = start_stage(repo)
+    process.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@900 does: to the batch shell only
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 75, out + err
+    assert (repo / "record.jsonl.signals").read_text() == "SIGUSR1\n"
+    checkpoint = checkpoints(repo) / "update-0000003"
+    assert records(repo, ".scontrol") == ["requeue 4242"]
+    assert f"requeueing job 4242 (7_0): its rerun resumes from {checkpoint}" in out
+    assert checkpoint.is_dir()
+
+
+def test_usr1_reaches_every_node_through_srun(repo):
+    process, _ = start_stage(repo, pid_files=("0", "1"), SRUN_PARALLEL="1", **TWO_NODES)
+    process.send_signal(signal.SIGUSR1)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 75, out + err
+    assert (repo / "record.jsonl.signals").read_text() == "SIGUSR1\nSIGUSR1\n"
+    assert records(repo, ".srun") == [["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                                       "--cpus-per-task=96"]]
+    assert records(repo, ".scontrol")[-1] == "requeue 4242"
+
+
+def test_term_is_not_passed_on_and_slurm_decides(repo):
+    process, (stage,) = start_stage(repo)
+    # how Slurm ends a job (scontrol requeue, preemption, scancel): SIGTERM to every process at once
+    process.send_signal(signal.SIGTERM)
+    os.kill(stage, signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 75, out + err
+    # the stage got it once (torchrun's agent, signalled twice, would abandon its ranks), and the
+    # task did not requeue itself: Slurm requeues it, or cancels it
+    assert (repo / "record.jsonl.signals").read_text() == "SIGTERM\n"
+    assert records(repo, ".scontrol") == []
+    assert "SIGTERM (the job is being ended" in out
+
+
+def test_a_finished_stage_is_not_requeued(repo):
+    process, _ = start_stage(repo, STAGE_SECONDS="1")
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0 and records(repo, ".scontrol") == [], out + err
