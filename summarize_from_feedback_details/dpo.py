@@ -202,14 +202,15 @@ def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torc
     return torch.masked_fill(responses, after, pad_id)
 
 
-def forward(model, input_ids: torch.Tensor, pad_id: int):
+def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0):
     """Pad ids become a valid id and are masked out; positions count real tokens only (so left
     padding changes nothing, also for models with absolute positions). No KV cache: nothing
-    generates from this pass, and a cache would hold every layer's keys and values."""
+    generates from this pass, and a cache would hold every layer's keys and values.
+    `logits_to_keep` N > 0: logits of the last N positions only (the LM head runs on those alone)."""
     attention_mask = input_ids != pad_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, use_cache=False, return_dict=True)
+                 position_ids=position_ids, use_cache=False, logits_to_keep=logits_to_keep, return_dict=True)
 
 
 def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
@@ -796,6 +797,7 @@ def main(args: Args) -> None:
         if update == args.num_updates:
             break
         update += 1
+        update_start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         # sums over this rank's pairs: loss share, correct pairs, chosen and rejected implicit
         # rewards, policy and reference log-probs of chosen and rejected
@@ -826,6 +828,9 @@ def main(args: Args) -> None:
         stats = (accelerator.reduce(stats, "sum") / args.batch_size).tolist()
         trained_pairs += [(update, i) for i in accelerator.gather(batch["row_index"]).tolist()]
         global_step = update * args.batch_size  # x-axis: episodes (pairs) seen so far
+        update_seconds = time.perf_counter() - update_start
+        # positions of the global batch's chosen and rejected sequences (padding included)
+        tokens = args.batch_size * (batch["query_chosen_token"].shape[1] + batch["query_rejected_token"].shape[1])
         logger.log({
             "train/rm/loss": stats[0] * args.batch_size,
             "train/rm/accuracy": stats[1],
@@ -838,6 +843,8 @@ def main(args: Args) -> None:
             "train/dpo/ref_logps_rejected": stats[7],
             "train/rm/lr": lr,
             "train/rm/eps": (update - start_update) * args.batch_size / (time.time() - start),
+            "time/update": update_seconds,
+            "throughput/tokens_per_second": tokens / update_seconds,
         }, global_step)
         checkpoints.after_update(update, args.run_name, logger, records=trained_pairs)
     global_step = update * args.batch_size

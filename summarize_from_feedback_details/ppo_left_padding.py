@@ -249,14 +249,15 @@ def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torc
     return torch.masked_fill(responses, after, pad_id)
 
 
-def forward(model, input_ids: torch.Tensor, pad_id: int):
+def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0):
     """Pad ids become a valid id and are masked out; positions count real tokens only (so left
     padding changes nothing, also for models with absolute positions). No KV cache: nothing
-    generates from this pass, and a cache would hold every layer's keys and values."""
+    generates from this pass, and a cache would hold every layer's keys and values.
+    `logits_to_keep` N > 0: logits of the last N positions only (the LM head runs on those alone)."""
     attention_mask = input_ids != pad_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, use_cache=False, return_dict=True)
+                 position_ids=position_ids, use_cache=False, logits_to_keep=logits_to_keep, return_dict=True)
 
 
 def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
@@ -332,6 +333,27 @@ def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(logits, -1)
     return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+
+
+def without_shared_padding(query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """The batch without its leading columns that are padding in every row: they are masked out of
+    attention and do not count in positions, so computing them changes nothing but the time."""
+    first_real_column = (query_responses != pad_id).any(0).int().argmax()
+    return query_responses[:, first_real_column:]
+
+
+def response_logits(model, query_responses: torch.Tensor, pad_id: int, response_length: int) -> torch.Tensor:
+    """The logits that predict the response tokens, [batch, response_length, vocab]: the LM head
+    runs on those positions only (at a 50k vocabulary, the largest matrix of a small model), and
+    padding shared by every row is not computed."""
+    query_responses = without_shared_padding(query_responses, pad_id)
+    return forward(model, query_responses, pad_id, logits_to_keep=response_length + 1).logits[:, :-1]
+
+
+def response_values(critic, query_responses: torch.Tensor, pad_id: int, response_length: int) -> torch.Tensor:
+    """values[:, t] = V(query + response[:t]), [batch, response_length], without shared padding."""
+    query_responses = without_shared_padding(query_responses, pad_id)
+    return get_values(critic, query_responses, pad_id)[:, -response_length - 1: -1]
 
 
 def get_values(critic, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -494,6 +516,30 @@ def sampling_rng(seed: int, device: torch.device):
         yield
 
 
+class PhaseTimer:
+    """Seconds spent in named phases of one update, summed over the phase's entries (the rollout
+    enters each phase once per chunk). On a GPU it waits for the queued kernels at both ends of a
+    phase, so that a phase is charged with its own GPU work, not with the previous phase's."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict = {}
+
+    def _wait(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        self._wait()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._wait()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
 # ---------------------------------------------------------------------------------------------
 # setup helpers
 # ---------------------------------------------------------------------------------------------
@@ -590,9 +636,10 @@ class PolicyAndValueWrapper(torch.nn.Module):
         super().__init__()
         self.policy, self.critic, self.pad_id = policy, critic, pad_id
 
-    def forward(self, query_responses: torch.Tensor) -> tuple:
-        return (forward(self.policy, query_responses, self.pad_id).logits,
-                get_values(self.critic, query_responses, self.pad_id))
+    def forward(self, query_responses: torch.Tensor, response_length: int) -> tuple:
+        """Logits and values at the response positions only."""
+        return (response_logits(self.policy, query_responses, self.pad_id, response_length),
+                response_values(self.critic, query_responses, self.pad_id, response_length))
 
 
 def prepare_frozen(model, args: Args, accelerator: Accelerator):
@@ -1007,6 +1054,8 @@ def main(args: Args) -> None:
     for update in track(range(start_update + 1, args.num_updates + 1), description="ppo",
                         disable=not accelerator.is_main_process):
         data = next(iter_loader)
+        timer = PhaseTimer(device)  # time/ metrics: seconds of this update by phase (rank 0's)
+        update_start = time.perf_counter()
         # linear annealing from lr (first update) to lr / num_updates (last update), as the paper
         lr_now = (1.0 - (update - 1.0) / args.num_updates) * args.lr
         for group in optimizer.param_groups:
@@ -1014,47 +1063,49 @@ def main(args: Args) -> None:
 
         model.eval()
         # validation score of the current policy on this update's held-out queries
-        rows = cycling_slice(validation_order, (update - 1) * args.local_eval_batch_size * num_processes
-                             + accelerator.process_index * args.local_eval_batch_size, args.local_eval_batch_size)
-        batch = validation[rows]
-        sample_rows, validation_scores = [], []
-        for i in range(0, args.local_eval_batch_size, fwd_batch):  # chunked and seeded like the rollout
-            position = accelerator.process_index * args.local_eval_batch_size + i
-            with sampling_rng(derived_seed(args.seed, 1, update, position), device):
-                chunk_rows, chunk_scores, _ = score_samples(
-                    accelerator, unwrapped.policy, reward_model, tokenizer,
-                    batch["query_token"][i: i + fwd_batch].to(device),
-                    batch["reference_response_token"][i: i + fwd_batch].to(device), eval_config)
-            sample_rows += chunk_rows
-            validation_scores.append(chunk_scores)
-        validation_score = accelerator.gather(torch.cat(validation_scores)).mean().item()
-        if args.print_sample_output_freq and (update - 1) % args.print_sample_output_freq == 0:
-            # (full slices on every rank: nothing to de-duplicate, and no dataloader state involved)
-            table = pd.DataFrame(gather_object(sample_rows))
-            logger.table(f"samples_{update}", table)
-            if accelerator.is_main_process:
-                console.print(f"update {update}: {table.iloc[0]['postprocessed_response']!r} "
-                              f"(score {table.iloc[0]['scores']:.3f})")
+        with timer("validation"):
+            rows = cycling_slice(validation_order, (update - 1) * args.local_eval_batch_size * num_processes
+                                 + accelerator.process_index * args.local_eval_batch_size, args.local_eval_batch_size)
+            batch = validation[rows]
+            sample_rows, validation_scores = [], []
+            for i in range(0, args.local_eval_batch_size, fwd_batch):  # chunked and seeded like the rollout
+                position = accelerator.process_index * args.local_eval_batch_size + i
+                with sampling_rng(derived_seed(args.seed, 1, update, position), device):
+                    chunk_rows, chunk_scores, _ = score_samples(
+                        accelerator, unwrapped.policy, reward_model, tokenizer,
+                        batch["query_token"][i: i + fwd_batch].to(device),
+                        batch["reference_response_token"][i: i + fwd_batch].to(device), eval_config)
+                sample_rows += chunk_rows
+                validation_scores.append(chunk_scores)
+            validation_score = accelerator.gather(torch.cat(validation_scores)).mean().item()
+            if args.print_sample_output_freq and (update - 1) % args.print_sample_output_freq == 0:
+                # (full slices on every rank: nothing to de-duplicate, and no dataloader state involved)
+                table = pd.DataFrame(gather_object(sample_rows))
+                logger.table(f"samples_{update}", table)
+                if accelerator.is_main_process:
+                    console.print(f"update {update}: {table.iloc[0]['postprocessed_response']!r} "
+                                  f"(score {table.iloc[0]['scores']:.3f})")
 
         # ---- rollout ----------------------------------------------------------------------
         with torch.no_grad():
             queries = data["query_token"]
-            context_length = queries.shape[1]
             responses, logprobs, ref_logprobs, values, scores = [], [], [], [], []
             for i in range(0, args.local_batch_size, fwd_batch):
                 query = queries[i: i + fwd_batch]
                 # this chunk's sampling noise depends on its position in the global batch only
                 chunk_seed = derived_seed(args.seed, 0, update, accelerator.process_index * args.local_batch_size + i)
-                with sampling_rng(chunk_seed, device), accelerator.autocast():
+                with timer("generation"), sampling_rng(chunk_seed, device), accelerator.autocast():
                     response, logprob = generate_with_logprobs(unwrapped.policy, query, pad_id, rollout_config)
                 query_response = torch.cat([query, response], 1)
-                with accelerator.autocast():
+                with timer("reference_forward"), accelerator.autocast():
                     # the reference sees the raw response, with the same temperature scaling
-                    ref_logits = forward(ref_policy, query_response, pad_id).logits[:, context_length - 1: -1]
+                    ref_logits = response_logits(ref_policy, query_response, pad_id, response.shape[1])
                     ref_logprob = gather_logprobs(scaled_logits(ref_logits, temperature, pad_id), response)
                     del ref_logits
+                with timer("value_forward"), accelerator.autocast():
                     # values[t] = V(query + response[:t]), on the raw response
-                    value = get_values(unwrapped.critic, query_response, pad_id)[:, context_length - 1: -1].float()
+                    value = response_values(unwrapped.critic, query_response, pad_id, response.shape[1]).float()
+                with timer("reward_forward"), accelerator.autocast():
                     # the reward model scores the EOS-truncated response at its EOS
                     postprocessed = truncate_response(response, eos_id, pad_id)
                     score = get_reward(reward_model, torch.cat([query, postprocessed], 1), pad_id).float()
@@ -1063,75 +1114,78 @@ def main(args: Args) -> None:
                 ref_logprobs.append(ref_logprob)
                 values.append(value)
                 scores.append(score)
-            responses, logprobs, ref_logprobs = torch.cat(responses), torch.cat(logprobs), torch.cat(ref_logprobs)
-            values, scores = torch.cat(values), torch.cat(scores)
-            query_responses = torch.cat([queries, responses], 1)
-            postprocessed_responses = truncate_response(responses, eos_id, pad_id)
-            contain_eos = (postprocessed_responses == eos_id).any(-1)
-            if args.non_eos_penalty:
-                scores = penalize_missing_eos(scores, postprocessed_responses, eos_id, args.penalty_reward_value)
-            sequence_lengths, padding_mask, padding_mask_p1 = response_masks(postprocessed_responses, pad_id)
-            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-            values = values.masked_fill(padding_mask_p1, 0)
-            rewards, kl, non_score_reward = kl_rewards(logprobs, ref_logprobs, scores, sequence_lengths, kl_ctl.value)
-            if args.ppo.whiten_rewards:
-                rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False, reduce=reduce)
-                rewards = rewards.masked_fill(padding_mask_p1, 0)
-            advantages, returns = compute_advantages(rewards, values, args.ppo.gamma, args.ppo.lam)
-            advantages = masked_whiten(advantages, ~padding_mask, reduce=reduce).masked_fill(padding_mask, 0)
+            with timer("advantages"):
+                responses, logprobs, ref_logprobs = torch.cat(responses), torch.cat(logprobs), torch.cat(ref_logprobs)
+                values, scores = torch.cat(values), torch.cat(scores)
+                query_responses = torch.cat([queries, responses], 1)
+                postprocessed_responses = truncate_response(responses, eos_id, pad_id)
+                contain_eos = (postprocessed_responses == eos_id).any(-1)
+                if args.non_eos_penalty:
+                    scores = penalize_missing_eos(scores, postprocessed_responses, eos_id, args.penalty_reward_value)
+                sequence_lengths, padding_mask, padding_mask_p1 = response_masks(postprocessed_responses, pad_id)
+                logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+                ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+                values = values.masked_fill(padding_mask_p1, 0)
+                rewards, kl, non_score_reward = kl_rewards(logprobs, ref_logprobs, scores, sequence_lengths,
+                                                           kl_ctl.value)
+                if args.ppo.whiten_rewards:
+                    rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False, reduce=reduce)
+                    rewards = rewards.masked_fill(padding_mask_p1, 0)
+                advantages, returns = compute_advantages(rewards, values, args.ppo.gamma, args.ppo.lam)
+                advantages = masked_whiten(advantages, ~padding_mask, reduce=reduce).masked_fill(padding_mask, 0)
 
         # ---- PPO epochs -------------------------------------------------------------------
         model.train()
-        stats = torch.zeros(args.ppo.noptepochs, args.nminibatches, len(STAT_NAMES), device=device)
-        for epoch in range(args.ppo.noptepochs):
-            batch_indices = np.random.permutation(args.local_batch_size)
-            for minibatch, mb_start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
-                mb_indices = batch_indices[mb_start: mb_start + args.local_mini_batch_size]
-                if args.ppo.loss_normalization == "minibatch":
-                    # real tokens of the whole global minibatch, known before the first backward
-                    policy_tokens, value_tokens = accelerator.reduce(torch.stack([
-                        (~padding_mask[mb_indices]).sum(), (~padding_mask_p1[mb_indices]).sum()]).float(), "sum")
-                for micro_start in range(0, args.local_mini_batch_size, args.local_micro_batch_size):
-                    micro = mb_indices[micro_start: micro_start + args.local_micro_batch_size]
-                    policy_mask, value_mask = ~padding_mask[micro], ~padding_mask_p1[micro]
-                    with accelerator.accumulate(model):
-                        logits, vpred = model(query_responses[micro])
-                        new_logits = scaled_logits(logits[:, context_length - 1: -1], temperature, pad_id)
-                        del logits
-                        new_logprobs = gather_logprobs(new_logits, responses[micro]).masked_fill(
-                            padding_mask[micro], INVALID_LOGPROB)
-                        vpred = vpred[:, context_length - 1: -1].float().masked_fill(padding_mask_p1[micro], 0)
-                        pg_losses, pg_clipped, ratio, logratio = policy_loss(
-                            new_logprobs, logprobs[micro], advantages[micro], args.ppo.cliprange)
-                        vf_losses, vf_clipped = value_loss(vpred, values[micro], returns[micro],
-                                                           args.ppo.cliprange_value)
-                        if args.ppo.loss_normalization == "micro_batch":
-                            # the paper: a token mean per micro-batch; accelerate and DDP then average
-                            # over micro-batches and processes (undone below, so divide here)
-                            policy_tokens = policy_mask.sum() * ga * num_processes
-                            value_tokens = value_mask.sum() * ga * num_processes
-                        # this micro-batch's share of the minibatch objective
-                        pg_loss = (pg_losses * policy_mask).sum() / policy_tokens
-                        vf_loss = (vf_losses * value_mask).sum() / value_tokens
-                        loss = pg_loss + args.ppo.vf_coef * vf_loss
-                        # accelerate divides by the accumulation steps and DDP averages over ranks:
-                        # undo both so the gradient is exactly that of the minibatch objective
-                        accelerator.backward(loss * ga * num_processes)
-                        if accelerator.sync_gradients and clip_norm is not None:  # (DeepSpeed: in its step)
-                            accelerator.clip_grad_norm_(model.parameters(), clip_norm)
-                        optimizer.step()
-                        optimizer.zero_grad()
-                    with torch.no_grad():
-                        stats[epoch, minibatch] += torch.cat([
-                            torch.stack([pg_loss.detach(), vf_loss.detach()]),
-                            token_stats(logratio, ratio, pg_clipped, entropy_from_logits(new_logits), policy_mask,
-                                        vf_clipped, value_mask)])
-                    del new_logits
-            if accelerator.is_main_process:
-                s = stats[epoch].sum(0)  # this epoch, this process
-                console.print(f"update {update} epoch {epoch}: approxkl {s[2] / s[7]:.3e} clipfrac {s[3] / s[7]:.4f} "
-                              f"ratio {s[5] / s[7]:.6f}", highlight=False)
+        with timer("ppo_epochs"):
+            stats = torch.zeros(args.ppo.noptepochs, args.nminibatches, len(STAT_NAMES), device=device)
+            for epoch in range(args.ppo.noptepochs):
+                batch_indices = np.random.permutation(args.local_batch_size)
+                for minibatch, mb_start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
+                    mb_indices = batch_indices[mb_start: mb_start + args.local_mini_batch_size]
+                    if args.ppo.loss_normalization == "minibatch":
+                        # real tokens of the whole global minibatch, known before the first backward
+                        policy_tokens, value_tokens = accelerator.reduce(torch.stack([
+                            (~padding_mask[mb_indices]).sum(), (~padding_mask_p1[mb_indices]).sum()]).float(), "sum")
+                    for micro_start in range(0, args.local_mini_batch_size, args.local_micro_batch_size):
+                        micro = mb_indices[micro_start: micro_start + args.local_micro_batch_size]
+                        policy_mask, value_mask = ~padding_mask[micro], ~padding_mask_p1[micro]
+                        with accelerator.accumulate(model):
+                            logits, vpred = model(query_responses[micro], responses.shape[1])
+                            new_logits = scaled_logits(logits, temperature, pad_id)
+                            del logits
+                            new_logprobs = gather_logprobs(new_logits, responses[micro]).masked_fill(
+                                padding_mask[micro], INVALID_LOGPROB)
+                            vpred = vpred.float().masked_fill(padding_mask_p1[micro], 0)
+                            pg_losses, pg_clipped, ratio, logratio = policy_loss(
+                                new_logprobs, logprobs[micro], advantages[micro], args.ppo.cliprange)
+                            vf_losses, vf_clipped = value_loss(vpred, values[micro], returns[micro],
+                                                               args.ppo.cliprange_value)
+                            if args.ppo.loss_normalization == "micro_batch":
+                                # the paper: a token mean per micro-batch; accelerate and DDP then average
+                                # over micro-batches and processes (undone below, so divide here)
+                                policy_tokens = policy_mask.sum() * ga * num_processes
+                                value_tokens = value_mask.sum() * ga * num_processes
+                            # this micro-batch's share of the minibatch objective
+                            pg_loss = (pg_losses * policy_mask).sum() / policy_tokens
+                            vf_loss = (vf_losses * value_mask).sum() / value_tokens
+                            loss = pg_loss + args.ppo.vf_coef * vf_loss
+                            # accelerate divides by the accumulation steps and DDP averages over ranks:
+                            # undo both so the gradient is exactly that of the minibatch objective
+                            accelerator.backward(loss * ga * num_processes)
+                            if accelerator.sync_gradients and clip_norm is not None:  # (DeepSpeed: in its step)
+                                accelerator.clip_grad_norm_(model.parameters(), clip_norm)
+                            optimizer.step()
+                            optimizer.zero_grad()
+                        with torch.no_grad():
+                            stats[epoch, minibatch] += torch.cat([
+                                torch.stack([pg_loss.detach(), vf_loss.detach()]),
+                                token_stats(logratio, ratio, pg_clipped, entropy_from_logits(new_logits), policy_mask,
+                                            vf_clipped, value_mask)])
+                        del new_logits
+                if accelerator.is_main_process:
+                    s = stats[epoch].sum(0)  # this epoch, this process
+                    console.print(f"update {update} epoch {epoch}: approxkl {s[2] / s[7]:.3e} "
+                                  f"clipfrac {s[3] / s[7]:.4f} ratio {s[5] / s[7]:.6f}", highlight=False)
 
         # ---- logging ------------------------------------------------------------------------
         with torch.no_grad():
@@ -1142,6 +1196,7 @@ def main(args: Args) -> None:
             mean_non_score_reward = accelerator.gather(non_score_reward.sum(1)).mean().item()
             mean_score = accelerator.gather(scores).mean().item()
             global_step = update * args.batch_size
+            update_seconds = time.perf_counter() - update_start
             metrics = {
                 "objective/kl": mean_kl,
                 # estimated entropy (sum of -logprob of the sampled tokens) over real tokens only
@@ -1171,6 +1226,13 @@ def main(args: Args) -> None:
                 "ppo/lr": lr_now,
                 "ppo/episode": global_step,
                 "ppo/eps": (update - start_update) * args.batch_size / (time.time() - start),
+                **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
+                "time/update": update_seconds,
+                # tokens of the global batch (query + response positions, padding included) per
+                # second of this update, and response tokens per second of generation
+                "throughput/tokens_per_second": args.batch_size * query_responses.shape[1] / update_seconds,
+                "throughput/generated_tokens_per_second":
+                    args.batch_size * responses.shape[1] / timer.seconds["generation"],
             }
             if args.ppo.use_adaptive_kl:
                 metrics["objective/kl_coef"] = kl_ctl.value

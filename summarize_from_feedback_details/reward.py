@@ -729,6 +729,7 @@ def main(args: Args) -> None:
         if update == args.num_updates:
             break
         update += 1
+        update_start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         # sums over this rank's pairs: loss share, correct pairs, chosen rewards, rejected rewards
         stats = torch.zeros(4, device=accelerator.device)
@@ -751,6 +752,9 @@ def main(args: Args) -> None:
         stats = accelerator.reduce(stats, "sum")
         trained_pairs += [(update, i) for i in accelerator.gather(batch["row_index"]).tolist()]
         global_step = update * args.batch_size  # x-axis: episodes (pairs) seen so far
+        update_seconds = time.perf_counter() - update_start
+        # positions of the global batch's chosen and rejected sequences (padding included)
+        tokens = args.batch_size * (batch["query_chosen_token"].shape[1] + batch["query_rejected_token"].shape[1])
         logger.log({
             "train/rm/loss": stats[0].item(),
             "train/rm/accuracy": stats[1].item() / args.batch_size,
@@ -758,6 +762,8 @@ def main(args: Args) -> None:
             "train/rm/rejected_rewards": stats[3].item() / args.batch_size,
             "train/rm/lr": lr,
             "train/rm/eps": (update - start_update) * args.batch_size / (time.time() - start),
+            "time/update": update_seconds,
+            "throughput/tokens_per_second": tokens / update_seconds,
         }, global_step)
         checkpoints.after_update(update, args.run_name, logger, records=trained_pairs)
     global_step = update * args.batch_size

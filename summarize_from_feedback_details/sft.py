@@ -168,14 +168,15 @@ def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torc
     return torch.masked_fill(responses, after, pad_id)
 
 
-def forward(model, input_ids: torch.Tensor, pad_id: int):
+def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0):
     """Pad ids become a valid id and are masked out; positions count real tokens only (so left
     padding changes nothing, also for models with absolute positions). No KV cache: nothing
-    generates from this pass, and a cache would hold every layer's keys and values."""
+    generates from this pass, and a cache would hold every layer's keys and values.
+    `logits_to_keep` N > 0: logits of the last N positions only (the LM head runs on those alone)."""
     attention_mask = input_ids != pad_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, use_cache=False, return_dict=True)
+                 position_ids=position_ids, use_cache=False, logits_to_keep=logits_to_keep, return_dict=True)
 
 
 def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
@@ -633,6 +634,7 @@ def main(args: Args) -> None:
         if update == args.num_updates:
             break
         update += 1
+        update_start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]  # the learning rate of this update
         queries_responses, labels = batch[TRAIN_COLUMNS[0]], batch[label_column]
         # normaliser of the global batch, known before the first micro-batch's backward
@@ -656,11 +658,16 @@ def main(args: Args) -> None:
                 optimizer.zero_grad()
             loss_total += loss.detach()
         scheduler.step()
+        loss_total = accelerator.reduce(loss_total, "sum").item()
+        update_seconds = time.perf_counter() - update_start
         metrics = {
-            "train/sft/loss": accelerator.reduce(loss_total, "sum").item(),
+            "train/sft/loss": loss_total,
             "train/sft/lr": lr,
             "train/sft/episode": update * args.batch_size,
             "train/sft/eps": (update - start_update) * args.batch_size / (time.time() - start),
+            "time/update": update_seconds,
+            # positions of the global batch (padding included) per second of this update
+            "throughput/tokens_per_second": args.batch_size * queries_responses.shape[1] / update_seconds,
         }
         logger.log(metrics, update)
         if args.print_sample_output_freq and update % args.print_sample_output_freq == 0 and "validation" in eval_loaders:

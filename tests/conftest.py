@@ -75,6 +75,26 @@ def tiny_datasets(tmp_path_factory, raw_dir, tokenizer_dir):
     return out, stats
 
 
+def is_wall_clock(key: str) -> bool:
+    """A metric the wall clock decides (episodes per second, time/ phases, throughput/): it differs
+    between runs that are otherwise equal."""
+    return key.endswith("/eps") or key.startswith(("time/", "throughput/"))
+
+
+def without_rates(metrics: list) -> list:
+    """Metric lines without the wall-clock metrics."""
+    return [{k: v for k, v in m.items() if not is_wall_clock(k)} for m in metrics]
+
+
+def assert_throughput(lines: list, tokens_per_update: int) -> None:
+    """Every training line (those with time/update) logs a positive update time and the global
+    batch's tokens per second of it; `tokens_per_update`: positions of the global batch."""
+    timed = [m for m in lines if "time/update" in m]
+    assert timed and all(m["time/update"] > 0 for m in timed)
+    for m in timed:
+        assert m["throughput/tokens_per_second"] == pytest.approx(tokens_per_update / m["time/update"], rel=1e-9)
+
+
 def accelerate_launcher(num_processes: int, config: str = None) -> list:
     """`accelerate launch` with a DeepSpeed config file, or DDP over gloo on CPU processes."""
     base = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch"]

@@ -13,7 +13,8 @@ from datasets import DatasetDict, load_from_disk
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import accelerate_launcher, run_in_process, run_script, run_until_signalled, signal_on_call
+from conftest import (accelerate_launcher, assert_throughput, run_in_process, run_script, run_until_signalled,
+                      signal_on_call, without_rates)
 from summarize_from_feedback_details import dpo, ppo_left_padding, reward, sft
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
@@ -155,6 +156,11 @@ def test_first_update_starts_from_the_reference_and_training_separates_the_pairs
     assert train[-1]["train/rm/reward_margin"] > 0  # (measured before that update's step: unseen pairs)
 
 
+def test_update_time_and_throughput(trained, tiny_datasets):
+    row = load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"][0]
+    assert_throughput(trained[1], 16 * (len(row["query_chosen_token"]) + len(row["query_rejected_token"])))
+
+
 def test_the_reference_never_changes(trained, tiny_datasets, models_dir):
     """The reference log-probs logged at every update are those of the SFT checkpoint on that
     update's pairs (train_pairs.csv), computed here independently."""
@@ -225,14 +231,9 @@ def test_gradient_checkpointing_changes_nothing(tiny_datasets, models_dir, tmp_p
     checkpointed, _, p_checkpointed = run_dpo(tiny_datasets, models_dir, str(tmp_path), "checkpointed",
                                               gradient_checkpointing=True, **common)
     assert len(attention_calls) - calls_plain == calls_plain + 2 * 4
-    assert [{k: v for k, v in m.items() if k != "train/rm/eps"} for m in plain] == \
-        [{k: v for k, v in m.items() if k != "train/rm/eps"} for m in checkpointed]
+    assert without_rates(plain) == without_rates(checkpointed)
     assert_same_params(p_plain, p_checkpointed, rtol=0, atol=0)
 
-
-def without_rates(metrics: list) -> list:
-    """Metric lines without the wall-clock rates (episodes per second)."""
-    return [{k: v for k, v in m.items() if not k.endswith("/eps")} for m in metrics]
 
 
 def run_file(workdir, name, table) -> str:

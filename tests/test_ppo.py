@@ -17,7 +17,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForCausalLM,
                           GPTNeoXForSequenceClassification)
 
-from conftest import accelerate_launcher, run_in_process, run_script, run_until_signalled, signal_on_call
+from conftest import (accelerate_launcher, is_wall_clock, run_in_process, run_script, run_until_signalled,
+                      signal_on_call, without_rates)
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import reward, sft
 
@@ -25,8 +26,6 @@ PAD, EOS = 1, 0  # the tiny tokenizer's ids (Pythia: [PAD] 50277, EOS 0)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "ppo_left_padding.py")
 DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu.yaml")
-# ppo/eps is a wall-clock rate; everything else must match between equivalent runs
-NOT_COMPARED = {"step", "ppo/eps"}
 
 
 @pytest.fixture
@@ -364,9 +363,45 @@ def test_generation_logprobs_match_on_left_padded_queries(tiny_datasets, models_
     torch.manual_seed(0)
     responses, logprobs = ppo.generate_with_logprobs(model, queries, PAD, ppo.generation_config(32, 0.7, PAD))
     with torch.no_grad():
-        logits = ppo.forward(model, torch.cat([queries, responses], 1), PAD).logits[:, queries.shape[1] - 1:-1]
+        logits = ppo.response_logits(model, torch.cat([queries, responses], 1), PAD, 32)  # (the training forward)
     train = ppo.gather_logprobs(ppo.scaled_logits(logits, 0.7, PAD), responses)
     assert (train - logprobs).abs().max() < 1e-4
+
+
+def test_without_shared_padding_known_answer():
+    rows = torch.tensor([[PAD, PAD, PAD, 5, 6], [PAD, PAD, 7, 8, 9], [PAD, PAD, PAD, PAD, 4]])
+    assert torch.equal(ppo.without_shared_padding(rows, PAD), rows[:, 2:])
+    assert torch.equal(ppo.without_shared_padding(rows[[0, 2]], PAD), rows[[0, 2], 3:])
+    assert torch.equal(ppo.without_shared_padding(rows[:, 2:], PAD), rows[:, 2:])  # nothing shared: unchanged
+
+
+def test_response_logits_and_values_compute_only_the_response(tiny_datasets, models_dir, one_thread):
+    """Logits and values at the response positions equal those of the full forward (sliced), while
+    the LM head runs on response_length + 1 positions and the model never sees the columns that
+    are padding in every row."""
+    data_dir, _ = tiny_datasets
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(models_dir, "pythia-tiny-s")).eval()
+    critic = AutoModelForSequenceClassification.from_pretrained(os.path.join(models_dir, "pythia-tiny-s"),
+                                                                num_labels=1).eval()
+    queries = torch.tensor(load_from_disk(os.path.join(data_dir, "sft"))["train"][:6]["query_token"])
+    shared = int((queries != PAD).any(0).int().argmax())
+    assert shared > 0  # the 6 queries share some left padding
+    responses = torch.randint(2, 40, (6, 10))
+    query_responses = torch.cat([queries, responses], 1)
+    widths = []
+    head = model.get_output_embeddings().register_forward_hook(lambda m, i, o: widths.append(i[0].shape[1]))
+    embed = model.get_input_embeddings().register_forward_hook(lambda m, i, o: widths.append(i[0].shape[1]))
+    with torch.no_grad():
+        full = ppo.forward(model, query_responses, PAD).logits[:, queries.shape[1] - 1: -1]
+        widths.clear()
+        only = ppo.response_logits(model, query_responses, PAD, 10)
+        values = ppo.response_values(critic, query_responses, PAD, 10)
+        all_values = ppo.get_values(critic, query_responses, PAD)[:, queries.shape[1] - 1: -1]
+    head.remove(), embed.remove()
+    assert widths == [query_responses.shape[1] - shared, 11]  # embedding: trimmed columns; head: 11
+    assert only.shape == full.shape == (6, 10, model.config.vocab_size)
+    assert torch.allclose(only, full, atol=1e-5, rtol=0)
+    assert values.shape == (6, 10) and torch.allclose(values, all_values, atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,7 +493,7 @@ def assert_same_metrics(a: list, b: list, rel: float, abs_: float, clipfrac_abs:
     assert [m["step"] for m in a] == [m["step"] for m in b]
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
-        for key in x.keys() - NOT_COMPARED:
+        for key in [k for k in x if k != "step" and not is_wall_clock(k)]:
             tolerance = dict(rel=0, abs=clipfrac_abs) if clipfrac_abs and "clipfrac" in key else dict(rel=rel, abs=abs_)
             assert x[key] == pytest.approx(y[key], **tolerance), (x["step"], key, x[key], y[key])
 
@@ -477,6 +512,37 @@ METRIC_NAMES = {
     "ppo/policy/clipfrac_first_minibatch", "ppo/val/num_eos_tokens", "ppo/val/response_length", "ppo/lr",
     "ppo/episode", "ppo/eps",
 }
+PHASES = ("validation", "generation", "reference_forward", "value_forward", "reward_forward", "advantages",
+          "ppo_epochs")
+
+
+def test_phase_times_charge_each_phase_with_its_own_work(tiny_datasets, checkpoints, tmp_path, one_thread,
+                                                          monkeypatch):
+    """Generation made 0.3 s slower per call and the reward forward 0.2 s: 2 updates of 2 rollout
+    chunks each log those seconds under time/generation and time/reward_forward (twice per update)
+    and time/validation, and nowhere else; the update's time holds all phases."""
+    def slowed(function, seconds):
+        def slow(*args, **kwargs):
+            time.sleep(seconds)
+            return function(*args, **kwargs)
+        return slow
+
+    monkeypatch.setattr(ppo, "generate_with_logprobs", slowed(ppo.generate_with_logprobs, 0.3))
+    monkeypatch.setattr(ppo, "get_reward", slowed(ppo.get_reward, 0.2))
+    workdir = str(tmp_path)
+    args = tiny_args(tiny_datasets, checkpoints, workdir, "timed", total_episodes=16, local_micro_batch_size=4,
+                     gradient_accumulation_steps=2, local_rollout_forward_batch_size=4, local_eval_batch_size=4,
+                     ppo=ppo.PpoHParams(noptepochs=1))
+    metrics = run_ppo(args, workdir)
+    assert len(metrics) == 2
+    for m in metrics:
+        assert 0.6 <= m["time/generation"] < 0.6 + 1
+        assert 0.4 <= m["time/reward_forward"] < 0.4 + 1
+        # the validation scores its one chunk's responses and references: 2 slowed reward forwards
+        assert 0.4 <= m["time/validation"] < 0.4 + 1
+        assert max(m["time/reference_forward"], m["time/value_forward"], m["time/advantages"]) < 0.2
+        phases = sum(m[f"time/{phase}"] for phase in PHASES)
+        assert phases <= m["time/update"] < phases + 0.5
 
 
 def test_smoke_one_update_of_the_tiny_default(tiny_datasets, checkpoints, tmp_path, one_thread, monkeypatch):
@@ -497,6 +563,13 @@ def test_smoke_one_update_of_the_tiny_default(tiny_datasets, checkpoints, tmp_pa
     assert abs(m["objective/kl"]) < 1e-4  # policy == reference before the first step
     # the SFT stand-in ends some responses, not all: masks and the EOS penalty both take part
     assert 8 <= m["ppo/val/num_eos_tokens"] <= 56 and 8 <= m["ppo/val/response_length"] < 32
+    # seconds by phase: each one measured, together within the update's time
+    assert {f"time/{phase}" for phase in PHASES} | {"time/update"} <= m.keys()
+    assert all(m[f"time/{phase}"] > 0 for phase in PHASES)
+    assert sum(m[f"time/{phase}"] for phase in PHASES) <= m["time/update"] < elapsed
+    context_length = len(load_from_disk(os.path.join(tiny_datasets[0], "sft"))["train"][0]["query_token"])
+    assert m["throughput/tokens_per_second"] == pytest.approx(64 * (context_length + 32) / m["time/update"])
+    assert m["throughput/generated_tokens_per_second"] == pytest.approx(64 * 32 / m["time/generation"])
 
     data = load_from_disk(os.path.join(tiny_datasets[0], "sft"))
     final = {k: v for line in read_metrics(workdir, "smoke") for k, v in line.items()}
@@ -765,10 +838,6 @@ def test_clear_errors(tiny_datasets, checkpoints, tmp_path):
 # checkpoints and exact resume (DESIGN section 15)
 # ---------------------------------------------------------------------------------------------
 
-
-def without_rates(metrics: list) -> list:
-    """Metric lines without the wall-clock rate (ppo/eps)."""
-    return [{k: v for k, v in m.items() if k != "ppo/eps"} for m in metrics]
 
 
 def run_files(workdir, name: str, pattern: str) -> dict:

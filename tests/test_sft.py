@@ -6,10 +6,12 @@ import sys
 
 import pytest
 import torch
+from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
-from conftest import accelerate_launcher, run_in_process, run_script, run_until_signalled, signal_on_call
+from conftest import (accelerate_launcher, assert_throughput, run_in_process, run_script, run_until_signalled,
+                      signal_on_call, without_rates)
 from summarize_from_feedback_details import sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,10 +222,6 @@ def test_max_grad_norm_zero_means_no_clipping(tiny_datasets, tokenizer_dir, tmp_
     assert all(not torch.equal(p_zero[k], base[k]) for k in p_zero if "layers.0.attention" in k)
 
 
-def without_rates(metrics: list) -> list:
-    """Metric lines without the wall-clock rates (episodes per second)."""
-    return [{k: v for k, v in m.items() if not k.endswith("/eps")} for m in metrics]
-
 
 def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_datasets, tokenizer_dir, tmp_path,
                                                                        monkeypatch):
@@ -396,6 +394,8 @@ def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_datasets, tokeniz
     lrs = [m["train/sft/lr"] for m in trained if "train/sft/lr" in m]
     assert lrs[0] == 1e-3 and lrs[20] == pytest.approx(0.5e-3) and lrs == sorted(lrs, reverse=True)  # cosine, no warmup
     assert train_loss[-1] < train_loss[0] - 1.0
+    width = len(load_from_disk(os.path.join(tiny_datasets[0], "sft"))["train"][0]["query_reference_response_token"])
+    assert_throughput(trained, 16 * width)
     evals = {k: v for m in trained for k, v in m.items() if k.startswith(("validation/", "test/"))}
     assert set(evals) == {f"{s}/sft/{k}" for s in ("validation", "test")
                           for k in ("loss", "rouge/rouge1", "rouge/rouge2", "rouge/rougeL")}
