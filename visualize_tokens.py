@@ -37,11 +37,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from summarize_from_feedback_details.ppo_left_padding import (QUERY_COLUMNS, derived_seed, forward, gather_logprobs,
-                                                              generate, generation_config, get_reward,
-                                                              load_policy, load_reward_model, load_split_dataset,
-                                                              load_tokenizer, looks_local, sampling_rng,
-                                                              scaled_logits, truncate_response)
+from summarize_from_feedback_details.ppo_left_padding import (QUERY_COLUMNS, SamplingGroup, decode, derived_seed,
+                                                              forward, gather_logprobs, get_reward, load_policy,
+                                                              load_reward_model, load_split_dataset, load_tokenizer,
+                                                              looks_local, scaled_logits, truncate_response)
 
 
 @dataclass
@@ -183,12 +182,12 @@ def make_sample(args: Args, row: int, data: dict, sft, ppo, reward_model, tokeni
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     query = data["query_token"].view(1, -1).to(device)
     reference = data["reference_response_token"].view(1, -1).to(device)
-    config = generation_config(args.response_length, args.temperature, pad_id)
     responses = {}
     for name, policy in (("sft", sft), ("ppo", ppo)):
         # the same seed for both policies: identical policies give identical responses
-        with sampling_rng(derived_seed(args.seed, row), device):
-            responses[name] = truncate_response(generate(policy, query, pad_id, config), eos_id, pad_id)
+        group = SamplingGroup(query, args.temperature, derived_seed(args.seed, row))
+        ((response, _),) = decode(policy, [group], pad_id, args.response_length)
+        responses[name] = truncate_response(response, eos_id, pad_id)
     scores = {name: get_reward(reward_model, torch.cat([query, response], 1), pad_id).item()
               for name, response in (*responses.items(), ("reference", reference))}
     # both policies' logits for the PPO response, on the same context

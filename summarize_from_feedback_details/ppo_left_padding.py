@@ -39,7 +39,6 @@ with parameters offloaded to CPU under `--offload` (works on CPU processes over 
 """
 
 import contextlib
-import copy
 import json
 import os
 import random
@@ -60,7 +59,8 @@ from rich.console import Console
 from rich.progress import track
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, DynamicCache,
+                          GenerationConfig, StaticCache)
 
 
 @dataclass
@@ -139,6 +139,10 @@ class Args:
     divide local_batch_size). Each chunk's sampling noise is seeded by its position in the global
     batch, so the process count does not change the samples, but this knob changes which responses
     are drawn (not their distribution): keep it fixed when comparing runs sample for sample"""
+    local_generation_batch_size: Optional[int] = None
+    """queries per batched decode: the update's validation chunks and rollout chunks, packed whole in
+    that order (default: the validation queries plus one rollout chunk). A memory knob: each chunk
+    samples from its own seeded generator, so it changes no sample"""
 
     # model and data
     base_model: str = "EleutherAI/pythia-1b-deduped"
@@ -214,6 +218,10 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     args.local_batch_size = args.local_mini_batch_size * args.nminibatches
     args.mini_batch_size = args.local_mini_batch_size * world_size
     args.batch_size = args.local_batch_size * world_size
+    if args.local_generation_batch_size is None:
+        args.local_generation_batch_size = args.local_eval_batch_size + args.local_rollout_forward_batch_size
+    if args.local_generation_batch_size < 1:
+        raise ValueError(f"--local_generation_batch_size must be >= 1, got {args.local_generation_batch_size}")
     if args.local_batch_size % args.local_rollout_forward_batch_size:
         raise ValueError(f"local_batch_size {args.local_batch_size} is not divisible by "
                          f"--local_rollout_forward_batch_size {args.local_rollout_forward_batch_size}")
@@ -295,26 +303,73 @@ def generate(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig
     return responses
 
 
-@torch.no_grad()
-def generate_with_logprobs(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig) -> tuple:
-    """`generate`, plus the logprob of each sampled token under the distribution it was drawn from.
+@dataclass
+class SamplingGroup:
+    """Queries that sample from one generator at one temperature: a rollout chunk or a chunk of the
+    update's validation queries. The seed depends on the chunk's place in the global batch only."""
+    queries: torch.Tensor
+    temperature: float
+    seed: int
 
-    They come from the generation logits (the paper does not re-run the policy): HF's processed
-    scores are logits / (T + 1e-7) in fp32 with the `[PAD]` logit at -inf, which is exactly what
-    `scaled_logits` computes in the training forward, so the first PPO ratio is 1 up to float noise."""
-    config = copy.deepcopy(config)
-    config.return_dict_in_generate = True
-    config.output_scores = True
-    attention_mask = queries != pad_id
-    with without_stop_ids(model):
-        output = model.generate(input_ids=torch.masked_fill(queries, ~attention_mask, 0),
-                                attention_mask=attention_mask, generation_config=config)
-    responses = output.sequences[:, queries.shape[1]:]
-    assert responses.shape[1] == config.max_new_tokens, "generation stopped early"
-    # one step at a time: never holds [batch, length, vocab] logprobs
-    logprobs = torch.stack([torch.log_softmax(scores.float(), -1).gather(1, responses[:, t: t + 1]).squeeze(1)
-                            for t, scores in enumerate(output.scores)], 1)
-    return responses, logprobs
+
+def left_pad(queries: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
+    return torch.nn.functional.pad(queries, (width - queries.shape[1], 0), value=pad_id)
+
+
+@torch.no_grad()
+def decode(model, groups: list, pad_id: int, response_length: int) -> list:
+    """Samples `response_length` tokens for every group in one batch: a prefill of the left-padded
+    queries into a preallocated (static) KV cache, then one token per step through the model's own
+    forward. Returns (responses, logprobs) per group; logprobs are those of the sampled tokens under
+    the distribution they were drawn from, fp32 logits / (T + 1e-7) with `[PAD]` at -inf: what
+    `scaled_logits` computes in the training forward (so the first PPO ratio is 1 up to float noise)
+    and exactly HF generate's processed scores. Each group draws with torch.multinomial from its own
+    generator, as HF generate does from the global one: a group samples what HF generate would
+    sample for it alone under torch.manual_seed(seed), whatever else shares the batch."""
+    device = groups[0].queries.device
+    width = max(g.queries.shape[1] for g in groups)
+    queries = torch.cat([left_pad(g.queries, width, pad_id) for g in groups])
+    sizes = [len(g.queries) for g in groups]
+    temperature = torch.tensor([g.temperature for g in groups for _ in range(len(g.queries))], device=device)
+    generators = [torch.Generator(device).manual_seed(g.seed) for g in groups]
+    query_mask = queries != pad_id
+    # the attention mask of the finished sequences: every generated token is real
+    attention_mask = torch.cat([query_mask, query_mask.new_ones(len(queries), response_length)], 1)
+    positions = (query_mask.cumsum(1) - 1).clamp(min=0)
+    # preallocated; under autocast over fp32 weights (mixed precision without DeepSpeed) keys and
+    # values come out in different dtypes, which only a growing cache takes (torch.cat promotes)
+    if torch.is_autocast_enabled(device.type):
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=width + response_length)
+    output = model(input_ids=queries.masked_fill(~query_mask, 0), attention_mask=attention_mask[:, :width],
+                   position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tokens, logprobs = [], []
+    for step in range(response_length):
+        scores = output.logits[:, -1].float()
+        scores[:, pad_id] = float("-inf")  # [PAD] is never sampled
+        scores = scores / (temperature[:, None] + 1e-7)
+        probs = torch.softmax(scores, -1)
+        token = torch.cat([torch.multinomial(rows, 1, generator=generator)
+                           for rows, generator in zip(probs.split(sizes), generators)])
+        tokens.append(token)
+        logprobs.append(scores.gather(1, token) - torch.logsumexp(scores, -1, keepdim=True))
+        if step + 1 < response_length:
+            output = model(input_ids=token, attention_mask=attention_mask[:, :width + step + 1],
+                           position_ids=positions[:, -1:] + step + 1, past_key_values=cache, use_cache=True)
+    return list(zip(torch.cat(tokens, 1).split(sizes), torch.cat(logprobs, 1).split(sizes)))
+
+
+def decode_in_batches(model, groups: list, pad_id: int, response_length: int, batch_size: int) -> list:
+    """`decode` over consecutive groups packed whole into batches of at most `batch_size` rows (a
+    group larger than that alone): a memory knob that changes no sample."""
+    results, batch = [], []
+    for group in groups:
+        if batch and sum(len(g.queries) for g in batch) + len(group.queries) > batch_size:
+            results += decode(model, batch, pad_id, response_length)
+            batch = []
+        batch.append(group)
+    return results + decode(model, batch, pad_id, response_length)
 
 
 def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int) -> torch.Tensor:
@@ -506,14 +561,6 @@ def derived_seed(*numbers: int) -> int:
     for n in numbers:
         seed = (seed * 1_000_003 + int(n)) % (2 ** 61 - 1)
     return seed
-
-
-@contextlib.contextmanager
-def sampling_rng(seed: int, device: torch.device):
-    """Sampling inside draws from `seed`; the surrounding random streams are left as they were."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
 
 
 class PhaseTimer:
@@ -890,13 +937,13 @@ class Checkpoints:
 
 
 @torch.no_grad()
-def score_samples(accelerator: Accelerator, policy, reward_model, tokenizer, queries: torch.Tensor,
-                  references: torch.Tensor, gen_config: GenerationConfig) -> tuple:
-    """Responses to `queries` truncated after EOS, their reward-model scores (no EOS penalty, as the
+def score_responses(accelerator: Accelerator, reward_model, tokenizer, queries: torch.Tensor, responses: torch.Tensor,
+                    references: torch.Tensor) -> tuple:
+    """`responses` to `queries` truncated after EOS, their reward-model scores (no EOS penalty, as the
     paper's eval) and the scores of the reference responses; returns (rows, scores, reference_scores)."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    with accelerator.autocast():
-        responses = truncate_response(generate(policy, queries, pad_id, gen_config), eos_id, pad_id)
+    responses = truncate_response(responses, eos_id, pad_id)
+    with torch.no_grad(), accelerator.autocast():
         scores = get_reward(reward_model, torch.cat([queries, responses], 1), pad_id).float()
         reference_scores = get_reward(reward_model, torch.cat([queries, references], 1), pad_id).float()
     rows = [
@@ -915,8 +962,10 @@ def evaluate(accelerator: Accelerator, policy, reward_model, tokenizer, dataload
     """The whole split, gathered without the duplicates that sharding pads the last batch with."""
     rows = []
     for batch in dataloader:
-        local_rows, _, _ = score_samples(accelerator, policy, reward_model, tokenizer, batch["query_token"],
-                                         batch["reference_response_token"], gen_config)
+        with accelerator.autocast():
+            responses = generate(policy, batch["query_token"], tokenizer.pad_token_id, gen_config)
+        local_rows, _, _ = score_responses(accelerator, reward_model, tokenizer, batch["query_token"], responses,
+                                           batch["reference_response_token"])
         rows += accelerator.gather_for_metrics(local_rows, use_gather_object=True)
     table = pd.DataFrame(rows, columns=["query", "postprocessed_response", "reference_responses", "scores",
                                         "reference_scores"])
@@ -1032,7 +1081,6 @@ def main(args: Args) -> None:
                                           batch_size=args.local_eval_batch_size))
         for s in ("validation", "test") if s in dataset and args.run_eval
     }
-    rollout_config = generation_config(args.response_length, args.temperature, pad_id)
     eval_config = generation_config(args.response_length, args.eval_temperature, pad_id)
     kl_ctl = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target, args.ppo.horizon)
     checkpoints = Checkpoints(args, accelerator, model, optimizer, [kl_ctl], identity)
@@ -1062,22 +1110,34 @@ def main(args: Args) -> None:
             group["lr"] = lr_now
 
         model.eval()
-        # validation score of the current policy on this update's held-out queries
+        # this update's held-out validation queries (rank r takes its r-th slice: new ones each update)
+        rows = cycling_slice(validation_order, (update - 1) * args.local_eval_batch_size * num_processes
+                             + accelerator.process_index * args.local_eval_batch_size, args.local_eval_batch_size)
+        validation_batch = {k: v.to(device) for k, v in validation[rows].items()}
+        queries = data["query_token"]
+
+        # ---- generation: the validation and rollout chunks in batched decodes ------------------
+        # each chunk's sampling noise depends on its position in the global batch only
+        validation_groups = [
+            SamplingGroup(validation_batch["query_token"][i: i + fwd_batch], args.eval_temperature,
+                          derived_seed(args.seed, 1, update, accelerator.process_index * args.local_eval_batch_size + i))
+            for i in range(0, args.local_eval_batch_size, fwd_batch)]
+        rollout_groups = [
+            SamplingGroup(queries[i: i + fwd_batch], temperature,
+                          derived_seed(args.seed, 0, update, accelerator.process_index * args.local_batch_size + i))
+            for i in range(0, args.local_batch_size, fwd_batch)]
+        with timer("generation"), accelerator.autocast():
+            generated = decode_in_batches(unwrapped.policy, validation_groups + rollout_groups, pad_id,
+                                          args.response_length, args.local_generation_batch_size)
+        validation_generated, rollout_generated = generated[:len(validation_groups)], generated[len(validation_groups):]
+
+        # validation score of the current policy on the held-out queries
         with timer("validation"):
-            rows = cycling_slice(validation_order, (update - 1) * args.local_eval_batch_size * num_processes
-                                 + accelerator.process_index * args.local_eval_batch_size, args.local_eval_batch_size)
-            batch = validation[rows]
-            sample_rows, validation_scores = [], []
-            for i in range(0, args.local_eval_batch_size, fwd_batch):  # chunked and seeded like the rollout
-                position = accelerator.process_index * args.local_eval_batch_size + i
-                with sampling_rng(derived_seed(args.seed, 1, update, position), device):
-                    chunk_rows, chunk_scores, _ = score_samples(
-                        accelerator, unwrapped.policy, reward_model, tokenizer,
-                        batch["query_token"][i: i + fwd_batch].to(device),
-                        batch["reference_response_token"][i: i + fwd_batch].to(device), eval_config)
-                sample_rows += chunk_rows
-                validation_scores.append(chunk_scores)
-            validation_score = accelerator.gather(torch.cat(validation_scores)).mean().item()
+            sample_rows, validation_scores, _ = score_responses(
+                accelerator, reward_model, tokenizer, validation_batch["query_token"],
+                torch.cat([response for response, _ in validation_generated]),
+                validation_batch["reference_response_token"])
+            validation_score = accelerator.gather(validation_scores).mean().item()
             if args.print_sample_output_freq and (update - 1) % args.print_sample_output_freq == 0:
                 # (full slices on every rank: nothing to de-duplicate, and no dataloader state involved)
                 table = pd.DataFrame(gather_object(sample_rows))
@@ -1086,16 +1146,11 @@ def main(args: Args) -> None:
                     console.print(f"update {update}: {table.iloc[0]['postprocessed_response']!r} "
                                   f"(score {table.iloc[0]['scores']:.3f})")
 
-        # ---- rollout ----------------------------------------------------------------------
+        # ---- rollout scoring --------------------------------------------------------------
         with torch.no_grad():
-            queries = data["query_token"]
             responses, logprobs, ref_logprobs, values, scores = [], [], [], [], []
-            for i in range(0, args.local_batch_size, fwd_batch):
-                query = queries[i: i + fwd_batch]
-                # this chunk's sampling noise depends on its position in the global batch only
-                chunk_seed = derived_seed(args.seed, 0, update, accelerator.process_index * args.local_batch_size + i)
-                with timer("generation"), sampling_rng(chunk_seed, device), accelerator.autocast():
-                    response, logprob = generate_with_logprobs(unwrapped.policy, query, pad_id, rollout_config)
+            for group, (response, logprob) in zip(rollout_groups, rollout_generated):
+                query = group.queries
                 query_response = torch.cat([query, response], 1)
                 with timer("reference_forward"), accelerator.autocast():
                     # the reference sees the raw response, with the same temperature scaling
