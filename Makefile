@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip setuptools wheel poetry-core
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-build-isolation -e . --group dev
+	$(PY) -m pip install -q --no-build-isolation -e . --group dev --group benchmark
 	touch $(STAMP)
 
 test: install

@@ -1,0 +1,146 @@
+"""CPU smoke run of benchmarks/ppo_speed.py (so the benchmark cannot rot): ppo_left_padding.py in one
+process and DDP on 2 processes, and the side-by-side against TRL 1.12, at the tiniest shape with 2
+updates and short sequences. Its timings mean nothing; the wiring, the CSV and the arithmetic do."""
+
+import contextlib
+import csv
+import importlib.util
+import io
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# benchmarks/ is a folder of scripts, not a package: load the file itself
+_spec = importlib.util.spec_from_file_location("ppo_speed", os.path.join(REPO, "benchmarks", "ppo_speed.py"))
+ppo_speed = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ppo_speed)
+
+# TRL's config keeps transformers' deprecated `gradient_checkpointing` field (unused by its PPO trainer)
+pytestmark = pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:FutureWarning")
+
+SPEED_COLUMNS = {"shape", "params", "strategy", "processes", "micro_batch", "batch", "query_length", "response_length",
+                 "device", "precision", "threads", "updates_measured", "s_per_update", "s_per_update_min",
+                 "s_per_update_max", "tokens_per_s", "generated_tokens_per_s", "tflop_per_update", "achieved_tflops",
+                 "peak_tflops", "utilisation", "other_s", "status"}
+# the per-update phases ppo_left_padding.py logs under time/
+STAGE_PHASES = {"validation", "generation", "reference_forward", "value_forward", "reward_forward", "ppo_epochs"}
+TRL_PHASES = {"generation", "reference_forward", "value_forward", "reward_forward"}
+
+
+def read_csv(path) -> list:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One `--mode both` run: the table for single + ddp x2, then one round of ours vs TRL. One
+    torch thread (generation is hundreds of tiny ops: a thread pool on a small shared CPU only slows
+    them down), a small matmul for the peak."""
+    folder = tmp_path_factory.mktemp("ppo_speed")
+    args = ppo_speed.Args(
+        mode="both", shapes=["tiny-s"], strategies=["single", "ddp"], micro_batch_sizes=[4], num_processes=2,
+        batch_size=4, query_length=16, response_length=8, eval_batch_size=1, updates=2, rounds=1, threads=1,
+        matmul_size=256, out=str(folder / "out"), cache_dir=str(folder / "cache"),
+    )
+    stdout = io.StringIO()
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(stdout):
+            results = ppo_speed.main(args)
+    finally:
+        torch.set_num_threads(threads)
+    return args, results, stdout.getvalue()
+
+
+@pytest.mark.slow
+def test_speed_csv_rows_and_columns(smoke):
+    args, _, stdout = smoke
+    rows = read_csv(os.path.join(args.out, "ppo_speed.csv"))
+    # (the micro-batch is capped at each process's share of the batch)
+    assert [(r["strategy"], r["processes"], r["micro_batch"]) for r in rows] == [("single", "1", "4"),
+                                                                                  ("ddp", "2", "2")]
+    for row in rows:
+        assert row["status"] == "ok", row["status"]
+        assert SPEED_COLUMNS | {f"time/{p}" for p in STAGE_PHASES} <= set(row), set(row) ^ SPEED_COLUMNS
+        assert row["shape"] == "tiny-s" and int(row["params"]) == 231168 and row["device"] == "cpu"
+        assert int(row["updates_measured"]) == 1  # 2 updates, the first is warm-up
+        values = {k: float(row[k]) for k in row if k.startswith(("s_per", "time/", "tokens", "generated", "tflop",
+                                                                   "achieved", "peak", "utilisation"))}
+        assert all(math.isfinite(v) and v > 0 for v in values.values()), values
+        # the phases are parts of the update (one measured update: the medians are its own values)
+        assert sum(v for k, v in values.items() if k.startswith("time/")) <= values["s_per_update"] * (1 + 1e-9)
+        assert float(row["other_s"]) == pytest.approx(
+            values["s_per_update"] - sum(v for k, v in values.items() if k.startswith("time/")), abs=1e-9)
+        assert values["tokens_per_s"] == pytest.approx(4 * (16 + 8) / values["s_per_update"])
+    assert "seconds per update" in stdout and "tiny-s" in stdout  # the rich table
+    assert os.path.getsize(os.path.join(args.out, "ppo_speed.png")) > 0
+
+
+@pytest.mark.slow
+def test_trl_side_by_side(smoke):
+    args, results, stdout = smoke
+    rows = read_csv(os.path.join(args.out, "trl_side_by_side.csv"))
+    assert len(rows) == len(results["trl"]) == 1  # one round, one measured update per side
+    row = {k: (v if k in ("shape", "first", "device") else float(v)) for k, v in rows[0].items()}
+    assert row["shape"] == "tiny-s" and row["first"] == "ours" and row["update"] == 2
+    assert {f"ours_{p}" for p in STAGE_PHASES} | {f"trl_{p}" for p in TRL_PHASES} <= set(row)
+    for side in ("ours", "trl"):
+        seconds = row[f"{side}_s"]
+        assert math.isfinite(seconds) and seconds > 0
+        phases = [v for k, v in row.items() if k.startswith(f"{side}_") and k not in (f"{side}_s", f"{side}_other")]
+        assert all(v > 0 for v in phases) and sum(phases) <= seconds * (1 + 1e-9)
+        assert row[f"{side}_other"] == pytest.approx(seconds - sum(phases), abs=1e-9)
+    assert row["ratio_trl_over_ours"] == pytest.approx(row["trl_s"] / row["ours_s"])
+    line = next(line for line in stdout.splitlines() if line.startswith("ratio TRL / ours"))
+    assert "(tiny-s): median" in line and "min" in line and "max" in line and "over 1 paired updates" in line
+    assert os.path.getsize(os.path.join(args.out, "trl_side_by_side.png")) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the pure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["tiny-s", "1m"])
+def test_parameter_counts_match_the_models(shape):
+    config = ppo_speed.model_config(shape)
+    embedding = config.vocab_size * config.hidden_size
+    policy = sum(p.numel() for p in GPTNeoXForCausalLM(config).parameters())
+    critic = sum(p.numel() for p in GPTNeoXForSequenceClassification(ppo_speed.model_config(shape, num_labels=1))
+                 .parameters())
+    assert ppo_speed.matmul_params(shape) == (policy - embedding, critic - embedding)
+    assert ppo_speed.total_params(shape) == policy
+
+
+def test_named_shapes_have_their_size():
+    for shape, size in (("1m", 1e6), ("10m", 1e7), ("pythia-160m", 1.6e8), ("pythia-1b", 1e9), ("pythia-6.9b", 6.9e9)):
+        assert 0.9 < ppo_speed.total_params(shape) / size < 1.15, shape
+
+
+def test_flops_per_update_known_answer():
+    # 6 x (10 + 5) x 2 x (3 + 1) x 4 epochs + 2 x (20 + 10) x 8 tokens + 2 x (10 + 10) x 1 x 4
+    assert ppo_speed.flops_per_update(10, 5, batch_size=2, eval_queries=1, query_length=3, response_length=1,
+                                      epochs=4) == 2880 + 480 + 160
+
+
+def test_update_seconds_from_the_stage_or_from_eps():
+    assert ppo_speed.update_seconds([{"time/update": 2.0}, {"time/update": 3.0}], 8) == [2.0, 3.0]
+    # a stage without time/update: cumulative episodes per second 8 / 2 s, then 16 / 5 s
+    assert ppo_speed.update_seconds([{"ppo/eps": 4.0}, {"ppo/eps": 3.2}], 8) == pytest.approx([2.0, 3.0])
+
+
+def test_synthetic_queries_and_tokenizer():
+    rows = ppo_speed.left_padded_queries(50, 12, 100, np.random.default_rng(0))
+    for row in rows:
+        real = [t for t in row if t != ppo_speed.PAD_ID]
+        assert len(row) == 12 and 6 <= len(real) <= 12 and row[12 - len(real):] == real
+        assert all(2 <= t < 100 for t in real)
+    tokenizer = ppo_speed.synthetic_tokenizer(100)
+    assert len(tokenizer) == 100 and tokenizer.eos_token_id == 0 and tokenizer.pad_token_id == 1
+    assert tokenizer.decode([5, 99, 0]) == "t5 t99 <|endoftext|>"
