@@ -1093,7 +1093,7 @@ def main(args: Args) -> None:
     reduce = None if args.ppo.whiten_per_rank else (lambda t: accelerator.reduce(t, "sum"))
     device = accelerator.device
     temperature, fwd_batch = args.temperature, args.local_rollout_forward_batch_size
-    ga, num_processes = args.gradient_accumulation_steps, accelerator.num_processes
+    ga, num_processes, rank = args.gradient_accumulation_steps, accelerator.num_processes, accelerator.process_index
 
     # Dropout is off in all four models; the mode only switches gradient checkpointing, which in
     # train mode would also switch off generation's KV cache: eval for rollouts, train for the epochs.
@@ -1112,7 +1112,7 @@ def main(args: Args) -> None:
         model.eval()
         # this update's held-out validation queries (rank r takes its r-th slice: new ones each update)
         rows = cycling_slice(validation_order, (update - 1) * args.local_eval_batch_size * num_processes
-                             + accelerator.process_index * args.local_eval_batch_size, args.local_eval_batch_size)
+                             + rank * args.local_eval_batch_size, args.local_eval_batch_size)
         validation_batch = {k: v.to(device) for k, v in validation[rows].items()}
         queries = data["query_token"]
 
@@ -1120,11 +1120,11 @@ def main(args: Args) -> None:
         # each chunk's sampling noise depends on its position in the global batch only
         validation_groups = [
             SamplingGroup(validation_batch["query_token"][i: i + fwd_batch], args.eval_temperature,
-                          derived_seed(args.seed, 1, update, accelerator.process_index * args.local_eval_batch_size + i))
+                          derived_seed(args.seed, 1, update, rank * args.local_eval_batch_size + i))
             for i in range(0, args.local_eval_batch_size, fwd_batch)]
         rollout_groups = [
             SamplingGroup(queries[i: i + fwd_batch], temperature,
-                          derived_seed(args.seed, 0, update, accelerator.process_index * args.local_batch_size + i))
+                          derived_seed(args.seed, 0, update, rank * args.local_batch_size + i))
             for i in range(0, args.local_batch_size, fwd_batch)]
         with timer("generation"), accelerator.autocast():
             generated = decode_in_batches(unwrapped.policy, validation_groups + rollout_groups, pad_id,
@@ -1284,10 +1284,11 @@ def main(args: Args) -> None:
                 **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
                 "time/update": update_seconds,
                 # tokens of the global batch (query + response positions, padding included) per
-                # second of this update, and response tokens per second of generation
+                # second of this update, and tokens generated per second of generation (the
+                # validation queries' responses come from the same decodes)
                 "throughput/tokens_per_second": args.batch_size * query_responses.shape[1] / update_seconds,
-                "throughput/generated_tokens_per_second":
-                    args.batch_size * responses.shape[1] / timer.seconds["generation"],
+                "throughput/generated_tokens_per_second": (args.batch_size + args.local_eval_batch_size * num_processes)
+                                                          * responses.shape[1] / timer.seconds["generation"],
             }
             if args.ppo.use_adaptive_kl:
                 metrics["objective/kl_coef"] = kl_ctl.value

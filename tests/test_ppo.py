@@ -597,7 +597,8 @@ def test_smoke_one_update_of_the_tiny_default(tiny_datasets, checkpoints, tmp_pa
     assert sum(m[f"time/{phase}"] for phase in PHASES) <= m["time/update"] < elapsed
     context_length = len(load_from_disk(os.path.join(tiny_datasets[0], "sft"))["train"][0]["query_token"])
     assert m["throughput/tokens_per_second"] == pytest.approx(64 * (context_length + 32) / m["time/update"])
-    assert m["throughput/generated_tokens_per_second"] == pytest.approx(64 * 32 / m["time/generation"])
+    # the 64 rollouts' and the 16 validation queries' responses
+    assert m["throughput/generated_tokens_per_second"] == pytest.approx((64 + 16) * 32 / m["time/generation"])
 
     data = load_from_disk(os.path.join(tiny_datasets[0], "sft"))
     final = {k: v for line in read_metrics(workdir, "smoke") for k, v in line.items()}
