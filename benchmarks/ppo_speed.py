@@ -452,15 +452,6 @@ def read_metrics(workdir: str, run_name: str) -> list:
         return [json.loads(line) for line in f]
 
 
-def update_seconds(metrics: list, batch_size: int) -> list:
-    """Seconds of each update: the stage's `time/update`, or (a stage without it) the differences of
-    the elapsed times that its cumulative `ppo/eps` implies."""
-    if all("time/update" in m for m in metrics):
-        return [m["time/update"] for m in metrics]
-    elapsed = [(i + 1) * batch_size / m["ppo/eps"] for i, m in enumerate(metrics)]
-    return [b - a for a, b in zip([0.0] + elapsed, elapsed)]
-
-
 def phase_seconds(metrics: list) -> dict:
     """phase -> seconds per update, for every `time/<phase>` the stage logs (`time/update` aside)."""
     names = sorted({k for m in metrics for k in m if k.startswith("time/") and k != "time/update"})
@@ -480,8 +471,7 @@ def measure_ours(args: Args, setting: Setting, workdir: str, device: str) -> dic
     else:
         run_ours_launched(stage, setting, workdir, device)
     metrics = read_metrics(workdir, name)
-    # (update_seconds needs the warm-up line too: a stage without time/update implies it from ppo/eps)
-    return {"seconds": update_seconds(metrics, args.batch_size)[1:], "phases": phase_seconds(metrics[1:])}
+    return {"seconds": [m["time/update"] for m in metrics[1:]], "phases": phase_seconds(metrics[1:])}
 
 
 def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak: float) -> dict:
@@ -691,7 +681,7 @@ def measure_ours_side_by_side(args: Args, shape: str, micro_batch_size: int, thr
     times = run_ours_in_process(stage_args(args, setting, sft_path, rm_path, dataset, name), workdir, device, threads)
     metrics = read_metrics(workdir, name)
     return {"seconds": np.diff(times).tolist(), "phases": phase_seconds(metrics[1:]),
-            "stage_seconds": update_seconds(metrics, args.batch_size)[1:]}
+            "stage_seconds": [m["time/update"] for m in metrics[1:]]}
 
 
 def ratio_line(shape: str, ours: list, trl: list) -> str:

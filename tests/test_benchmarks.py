@@ -129,12 +129,6 @@ def test_flops_per_update_known_answer():
                                       epochs=4) == 2880 + 480 + 160
 
 
-def test_update_seconds_from_the_stage_or_from_eps():
-    assert ppo_speed.update_seconds([{"time/update": 2.0}, {"time/update": 3.0}], 8) == [2.0, 3.0]
-    # a stage without time/update: cumulative episodes per second 8 / 2 s, then 16 / 5 s
-    assert ppo_speed.update_seconds([{"ppo/eps": 4.0}, {"ppo/eps": 3.2}], 8) == pytest.approx([2.0, 3.0])
-
-
 def test_synthetic_queries_and_tokenizer():
     rows = ppo_speed.left_padded_queries(50, 12, 100, np.random.default_rng(0))
     for row in rows:
