@@ -1,4 +1,6 @@
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -185,3 +187,21 @@ def run_until_signalled(cmd: list, cwd, metrics_path, after_lines: int, **env) -
     stdout, stderr = process.communicate(timeout=600)
     assert "checkpoint saved at update" in stdout, stdout[-3000:] + stderr[-3000:]
     return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
+
+
+def stop_and_copy(cmd: list, workdir, name: str, updates: int) -> tuple:
+    """`cmd` (run `name`: output in workdir/name, run folder workdir/runs/name) stopped by SIGUSR1 once
+    its first update is logged. It leaves exactly one checkpoint, of an update before its last
+    (`updates`), and the metric lines up to it. Returns (the checkpoint's folder name, workdir/moved
+    holding a copy of the output and run folders, to resume elsewhere)."""
+    workdir = pathlib.Path(workdir)
+    stopped = run_until_signalled(cmd, workdir, workdir / "runs" / name / "metrics.jsonl", 1)
+    (checkpoint,) = os.listdir(workdir / name / "checkpoints")
+    update = int(checkpoint[len("update-"):])
+    assert f"checkpoint saved at update {update}" in stopped.stdout and update < updates
+    with open(workdir / "runs" / name / "metrics.jsonl") as f:
+        assert sum(1 for _ in f) == update
+    moved = workdir / "moved"
+    shutil.copytree(workdir / name, moved / name)
+    shutil.copytree(workdir / "runs" / name, moved / "runs" / name)
+    return checkpoint, moved

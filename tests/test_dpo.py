@@ -2,7 +2,6 @@ import inspect
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import (accelerate_launcher, assert_throughput, run_in_process, run_script, run_until_signalled,
-                      signal_on_call, without_rates)
+                      signal_on_call, stop_and_copy, without_rates)
 from summarize_from_feedback_details import dpo, ppo_left_padding, reward, sft
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
@@ -345,16 +344,8 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_
     the test above, with the same pairs in the same updates."""
     tmp_path, (_, one, p_one, pairs_one), (_, two, p_two, pairs_two) = process_runs
     launcher = accelerate_launcher(2)
-    stopped = run_until_signalled(dpo_command(tiny_datasets, models_dir, tmp_path, "stopped", *PROCESSES[2],
-                                              launcher=launcher),
-                                  tmp_path, tmp_path / "runs" / "stopped" / "metrics.jsonl", 1)
-    (checkpoint,) = os.listdir(tmp_path / "stopped" / "checkpoints")
-    update = int(checkpoint[len("update-"):])
-    assert f"checkpoint saved at update {update}" in stopped.stdout and update < len(two)
-    assert len(read_metrics(str(tmp_path), "stopped")) == update
-    moved = tmp_path / "moved"
-    shutil.copytree(tmp_path / "stopped", moved / "stopped")
-    shutil.copytree(tmp_path / "runs" / "stopped", moved / "runs" / "stopped")
+    checkpoint, moved = stop_and_copy(dpo_command(tiny_datasets, models_dir, tmp_path, "stopped", *PROCESSES[2],
+                                                 launcher=launcher), tmp_path, "stopped", len(two))
     out, _, p_resumed, pairs_resumed = launch_dpo(tiny_datasets, models_dir, tmp_path, "stopped", *PROCESSES[2],
                                                   "--resume", launcher=launcher)
     # (rich wraps the console at 80 columns, also inside a long path)
