@@ -364,6 +364,44 @@ def test_decode_samples_what_hf_generate_samples(kind, one_thread):
             assert torch.equal(a, b) and torch.allclose(la, lb, atol=1e-5)
 
 
+def test_compiled_decode_step_samples_what_eager_decode_samples(one_thread):
+    """The GPU's compiled step (here traced by dynamo without CUDA graphs, which need a GPU: the
+    same capture, fullgraph, no graph break allowed): the same tokens and logprobs as the eager
+    decode, one graph per batch shape for all steps and all later decodes of that shape (a step
+    mask that grew with the step would recompile every step), and an in-place weight update (what
+    the optimizer does) reaches the next decode. tests/test_gpu.py runs it with CUDA graphs."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_lm()
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randint(2, 40, (5, 9), generator=generator)
+    for i, pad in enumerate([0, 3, 5, 1, 0]):
+        rows[i, :pad] = PAD
+    groups = [ppo.SamplingGroup(rows[:3], 0.7, 11), ppo.SamplingGroup(rows[3:], 1.0, 12)]
+    compiled_step = ppo.CompiledStep(model, backend="aot_eager")
+
+    def assert_same(a, b):
+        for (ta, la), (tb, lb) in zip(a, b, strict=True):
+            assert torch.equal(ta, tb) and torch.allclose(la, lb, atol=1e-6)
+
+    assert_same(ppo.decode(model, groups, PAD, 12), ppo.decode(model, groups, PAD, 12, compiled_step))
+    assert_same(ppo.decode(model, groups, PAD, 12), ppo.decode(model, groups, PAD, 12, compiled_step))
+    assert counters["stats"]["unique_graphs"] == 1
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    eager = ppo.decode(model, groups, PAD, 12)
+    assert not torch.equal(eager[0][0], ppo.decode(tiny_lm(), groups, PAD, 12)[0][0])  # the update changed samples
+    assert_same(eager, ppo.decode(model, groups, PAD, 12, compiled_step))
+    # batches of 3 and 2 rows: a cache and a graph each, and the first shape's still served
+    assert_same(ppo.decode_in_batches(model, groups, PAD, 12, 3),
+                ppo.decode_in_batches(model, groups, PAD, 12, 3, compiled_step))
+    assert_same(eager, ppo.decode(model, groups, PAD, 12, compiled_step))
+    assert counters["stats"]["unique_graphs"] == 3 and len(compiled_step.caches) == 3
+    torch._dynamo.reset()
+
+
 def test_pad_is_never_sampled_and_generation_logprobs_are_the_training_logprobs(one_thread):
     """At T=1 a random 40-token model would sample [PAD] ~10 times in 400 draws; it never does.
     The logprobs taken from generation equal a training-style forward with the same temperature
