@@ -39,6 +39,10 @@ forward per position (prefill + decode with a KV cache), and attention's sequenc
 left out (about 6% of a 160m model's at 181 tokens, less for larger models). Utilisation is achieved
 FLOP/s over the peak measured here: the best of a few square matmuls (fp32 on CPU, bf16 on a GPU)
 with the same thread count (CPU: threads x processes, capped at the cores), x processes on GPUs.
+Decode: `ms/step` is the generation phase over `response_length` steps (the prefill included);
+`floor ms` is the least a step can take at this device's measured copy bandwidth (the best of a few
+large buffer copies): it must read the policy's matmul weights (fp32, bf16 under DeepSpeed on a
+GPU) and its batch's whole static KV cache (query + response positions, all layers) once.
 
 `--mode trl` (side by side) alternates blocks in this one process: round 1 ours then TRL, round 2
 TRL then ours, ... (`--rounds`), each a fresh run of `--updates` updates on the same random-init
@@ -302,6 +306,38 @@ def matmul_peak(device: str, threads: int, size: Optional[int] = None, repeats: 
     return 2 * size ** 3 / best
 
 
+def memory_bandwidth(device: str, threads: int, megabytes: Optional[int] = None, repeats: int = 5) -> float:
+    """Bytes/s of the best of `repeats` copies of a large buffer (each byte read once and written
+    once): what a decode step that streams the weights and the KV cache can hope for here."""
+    n = (megabytes or (2048 if device == "cuda" else 256)) * 2 ** 20 // 4
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        source, target = torch.ones(n, device=device), torch.empty(n, device=device)
+        best = math.inf
+        for _ in range(repeats + 1):  # (the first one warms up)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            target.copy_(source)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(saved)
+    return 2 * 4 * n / best
+
+
+def decode_step_bytes(shape: str, rows: int, context: int, weight_bytes: int, cache_bytes: int) -> int:
+    """What one decode step must read at least: the policy's matmul weights once (the input embedding
+    is a lookup of one row per token) and the whole static KV cache of its batch (keys and values of
+    every layer for `context` = query + response positions: the step attends over all of it)."""
+    config = model_config(shape)
+    policy_params, _ = matmul_params(shape)
+    cache = 2 * config.num_hidden_layers * config.hidden_size * context * rows
+    return policy_params * weight_bytes + cache * cache_bytes
+
+
 def flops_per_update(policy_params: int, critic_params: int, batch_size: int, eval_queries: int, query_length: int,
                      response_length: int, epochs: int) -> float:
     """The module docstring's estimate: useful FLOPs of one PPO update over the global batch."""
@@ -474,7 +510,7 @@ def measure_ours(args: Args, setting: Setting, workdir: str, device: str) -> dic
     return {"seconds": [m["time/update"] for m in metrics[1:]], "phases": phase_seconds(metrics[1:])}
 
 
-def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak: float) -> dict:
+def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak: float, bandwidth: float) -> dict:
     """One row of the table / CSV: medians over the measured updates."""
     seconds = measured["seconds"]
     median = statistics.median(seconds)
@@ -486,6 +522,13 @@ def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak:
     # per update, then the median (a sum of medians can exceed the median of the sums)
     other = statistics.median(s - sum(v[i] for v in measured["phases"].values()) for i, s in enumerate(seconds))
     generation = phases.get("time/generation")
+    # the decode floor: one decode of the validation + rollout rows per process (the stage's default
+    # --local_generation_batch_size with the whole batch as one chunk), `response_length` steps;
+    # weights in bf16 only where DeepSpeed holds them so (accelerate's bf16 autocasts fp32 weights)
+    rows = args.eval_batch_size + args.batch_size // setting.num_processes
+    weight_bytes = 2 if device == "cuda" and setting.strategy.startswith("zero2") else 4
+    step_bytes = decode_step_bytes(setting.shape, rows, args.query_length + args.response_length, weight_bytes,
+                                   2 if device == "cuda" else 4)
     return {
         "shape": setting.shape, "params": total_params(setting.shape), "strategy": setting.strategy,
         "processes": setting.num_processes, "micro_batch": setting.micro_batch_size, "batch": args.batch_size,
@@ -496,6 +539,9 @@ def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak:
         "tokens_per_s": args.batch_size * (args.query_length + args.response_length) / median,
         # response tokens of the global batch per second of (rank 0's) generation: ranks generate at once
         "generated_tokens_per_s": (args.batch_size * args.response_length / generation) if generation else math.nan,
+        # generation phase per decode step (its prefill included) against the bandwidth floor
+        "decode_ms_per_step": (1e3 * generation / args.response_length) if generation else math.nan,
+        "floor_ms_per_step": 1e3 * step_bytes / bandwidth, "bandwidth_gb_s": bandwidth / 1e9,  # (per process)
         "tflop_per_update": flops / 1e12, "achieved_tflops": flops / median / 1e12, "peak_tflops": peak / 1e12,
         "utilisation": flops / median / peak, "status": "ok",
     }
@@ -539,7 +585,7 @@ def failure_reason(error: Exception) -> str:
 
 
 def run_speed(args: Args, device: str, console: Console) -> list:
-    rows, peaks = [], {}
+    rows, peaks, bandwidths = [], {}, {}
     for setting in speed_settings(args, device):
         base = {"shape": setting.shape, "strategy": setting.strategy, "processes": setting.num_processes,
                 "micro_batch": setting.micro_batch_size, "device": device}
@@ -554,13 +600,17 @@ def run_speed(args: Args, device: str, console: Console) -> list:
         if peak_threads not in peaks:
             peaks[peak_threads] = matmul_peak(device, peak_threads, args.matmul_size)
         peak = peaks[peak_threads] * (setting.num_processes if device == "cuda" else 1)
+        if peak_threads not in bandwidths:
+            bandwidths[peak_threads] = memory_bandwidth(device, peak_threads)
+        # each process decodes its own rows at once: on a CPU they share the one memory bus
+        bandwidth = bandwidths[peak_threads] / (1 if device == "cuda" else setting.num_processes)
         try:
             measured = measure_ours(args, setting, os.path.join(args.out, "work"), device)
         except Exception as e:  # one shape out of memory must not end a sweep
             console.print(f"[red]failed[/]: {e}", highlight=False)
             rows.append({**base, "status": f"failed: {failure_reason(e)}"})
             continue
-        rows.append(summary_row(args, setting, measured, device, peak))
+        rows.append(summary_row(args, setting, measured, device, peak, bandwidth))
     return rows
 
 
@@ -754,7 +804,8 @@ def print_speed_table(rows: list, console: Console) -> None:
     phases = ordered_phases(k[len("time/"):] for row in rows for k in row if k.startswith("time/"))
     table = Table(title="ppo_left_padding.py: seconds per update (median over the measured updates)")
     for column in ["shape", "params", "strategy", "proc", "micro", "s/update",
-                   *[PHASE_LABELS.get(p, p) for p in phases], "other", "tok/s", "gen tok/s", "TFLOP/upd", "util",
+                   *[PHASE_LABELS.get(p, p) for p in phases], "other", "tok/s", "gen tok/s", "ms/step",
+                   "floor ms", "TFLOP/upd", "util",
                    "status"]:
         text = column in ("shape", "strategy", "status")
         table.add_column(column, justify="left" if text else "right", no_wrap=column != "status")
@@ -768,6 +819,7 @@ def print_speed_table(rows: list, console: Console) -> None:
                       str(row["processes"]), str(row["micro_batch"]), number(row.get("s_per_update"), ".3f"),
                       *[number(row.get(f"time/{p}"), ".3f") for p in phases], number(row.get("other_s"), ".3f"),
                       number(row.get("tokens_per_s"), ".0f"), number(row.get("generated_tokens_per_s"), ".0f"),
+                      number(row.get("decode_ms_per_step"), ".2f"), number(row.get("floor_ms_per_step"), ".2f"),
                       number(row.get("tflop_per_update"), ".4f"), f"{row['utilisation']:.1%}" if ok else "-",
                       row["status"])
     # a wide console even in a pipe or a log: the table has a column per phase

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:Futur
 SPEED_COLUMNS = {"shape", "params", "strategy", "processes", "micro_batch", "batch", "query_length", "response_length",
                  "device", "precision", "threads", "updates_measured", "s_per_update", "s_per_update_min",
                  "s_per_update_max", "tokens_per_s", "generated_tokens_per_s", "tflop_per_update", "achieved_tflops",
-                 "peak_tflops", "utilisation", "other_s", "status"}
+                 "peak_tflops", "utilisation", "other_s", "decode_ms_per_step", "floor_ms_per_step", "bandwidth_gb_s",
+                 "status"}
 # the per-update phases ppo_left_padding.py logs under time/
 STAGE_PHASES = {"validation", "generation", "reference_forward", "value_forward", "reward_forward", "ppo_epochs"}
 TRL_PHASES = {"generation", "reference_forward", "value_forward", "reward_forward"}
@@ -78,6 +79,12 @@ def test_speed_csv_rows_and_columns(smoke):
         assert float(row["other_s"]) == pytest.approx(
             values["s_per_update"] - sum(v for k, v in values.items() if k.startswith("time/")), abs=1e-9)
         assert values["tokens_per_s"] == pytest.approx(4 * (16 + 8) / values["s_per_update"])
+        assert float(row["decode_ms_per_step"]) == pytest.approx(1e3 * values["time/generation"] / 8)
+        # a process decodes its eval + batch rows over 16 + 8 positions (bandwidth: its share of the bus)
+        rows_decoded = 1 + 4 // int(row["processes"])
+        assert float(row["floor_ms_per_step"]) == pytest.approx(
+            1e3 * ppo_speed.decode_step_bytes("tiny-s", rows_decoded, 24, 4, 4) / (float(row["bandwidth_gb_s"]) * 1e9))
+        assert 0 < float(row["floor_ms_per_step"]) < float(row["decode_ms_per_step"])
     assert "seconds per update" in stdout and "tiny-s" in stdout  # the rich table
     assert os.path.getsize(os.path.join(args.out, "ppo_speed.png")) > 0
 
@@ -127,6 +134,19 @@ def test_flops_per_update_known_answer():
     # 6 x (10 + 5) x 2 x (3 + 1) x 4 epochs + 2 x (20 + 10) x 8 tokens + 2 x (10 + 10) x 1 x 4
     assert ppo_speed.flops_per_update(10, 5, batch_size=2, eval_queries=1, query_length=3, response_length=1,
                                       epochs=4) == 2880 + 480 + 160
+
+
+def test_decode_step_bytes_known_answer():
+    # tiny-s: 165,632 matmul weights in fp32, and keys + values of 2 layers x 64 wide x 10 positions
+    # x 3 rows in bf16
+    assert ppo_speed.matmul_params("tiny-s")[0] == 165632
+    assert ppo_speed.decode_step_bytes("tiny-s", rows=3, context=10, weight_bytes=4, cache_bytes=2) == \
+        165632 * 4 + 2 * 2 * 64 * 10 * 3 * 2
+
+
+def test_memory_bandwidth_is_a_plausible_copy_rate():
+    bandwidth = ppo_speed.memory_bandwidth("cpu", threads=1, megabytes=32, repeats=2)
+    assert 1e8 < bandwidth < 1e13  # between 0.1 GB/s and 10 TB/s
 
 
 def test_synthetic_queries_and_tokenizer():
