@@ -29,13 +29,15 @@ response-label mask of tldr_dataset.py (no CNN/DM off-by-one).
 """
 
 import contextlib
+import copy
 import json
 import os
+import platform
 import random
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
 
 import numpy as np
@@ -46,11 +48,13 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast
 from datasets import load_dataset, load_from_disk
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from rich.console import Console
 from rich.progress import track
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, get_scheduler
+from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, GenerationConfig,
+                          get_scheduler)
 
 
 @dataclass
@@ -93,6 +97,22 @@ class Args:
     """defaults to len(train split) * num_train_epochs"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute, the same update"""
+
+    # LoRA and 4-bit base weights (DESIGN.md section 18)
+    use_peft: bool = False
+    """train LoRA adapters (peft) instead of every weight. <output_dir> gets the adapter merged in
+    (plain transformers loads it; every later stage reads it) and <output_dir>/adapter the adapter alone"""
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input. The stages run without dropout (N+ detail); > 0 makes the
+    training forwards differ from the rollouts', so PPO's first ratio is no longer 1"""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """module names to adapt (e.g. query_key_value dense); all-linear: every linear layer but the LM head"""
+    load_in_4bit: bool = False
+    """with --use_peft: the frozen base weights of the trained models in 4-bit NF4 (bitsandbytes; a CUDA
+    GPU or an x86-64 CPU with AVX2; not under DeepSpeed). The saved merged model puts the adapter on the
+    full-precision base (QLoRA's usual export)"""
     rank_dependent_shuffle: bool = False
     """the paper's data order: every rank shuffles the pairs with its own seed before accelerate
     shards them, so ranks overlap and miss pairs (about 66% unique pairs per epoch on 8 GPUs)"""
@@ -361,6 +381,84 @@ def enable_gradient_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def check_peft_args(args, deepspeed: bool) -> None:
+    """Stops on LoRA / 4-bit settings that cannot work, before any model is loaded."""
+    if args.load_in_4bit and not args.use_peft:
+        raise ValueError("--load_in_4bit freezes 4-bit base weights under LoRA adapters: add --use_peft")
+    if args.use_peft and args.lora_r < 1:
+        raise ValueError(f"--lora_r must be >= 1, got {args.lora_r}")
+    if args.use_peft and not 0 <= args.lora_dropout < 1:
+        raise ValueError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    if not args.load_in_4bit:
+        return
+    if deepspeed:
+        raise ValueError("--load_in_4bit: DeepSpeed cannot partition bitsandbytes' packed 4-bit weights; "
+                         "launch without DeepSpeed (one process or DDP)")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not torch.cuda.is_available() and not (platform.machine() in ("x86_64", "AMD64")
+                                              and capability in ("AVX2", "AVX512")):
+        raise ValueError(f"--load_in_4bit: bitsandbytes' 4-bit kernels need a CUDA GPU or an x86-64 CPU with AVX2; "
+                         f"this machine has no GPU and a {platform.machine()} CPU with capability {capability}")
+
+
+def quantization(args, device: torch.device) -> dict:
+    """`from_pretrained` arguments of --load_in_4bit: NF4 base weights placed on this process's
+    device, computing in fp32 (mixed precision autocasts them like any other layer)."""
+    if not args.load_in_4bit:
+        return {}
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_compute_dtype=torch.float32),
+            "device_map": {"": device}}
+
+
+def with_lora(model, args, head: Optional[str] = None):
+    """`model` with the LoRA adapters of --use_peft, base weights frozen. "all-linear" adapts every
+    linear layer but the LM head; `head` (a reward model's or critic's `score`) trains in full: peft
+    keeps a trainable copy and the original, which the disabled adapter uses. The adapters start as
+    a zero update (B = 0): the wrapped model computes exactly what the base does."""
+    if args.load_in_4bit:
+        import bitsandbytes
+
+        for module in model.modules():
+            if isinstance(module, bitsandbytes.nn.Linear4bit):
+                # bitsandbytes 0.50 repacks 4-bit weights into an inference layout at the first no-grad
+                # eval-mode forward on AVX512-BF16 CPUs (a rollout), after which every backward fails
+                module.support_avx512bf16_for_cpu = False
+    targets = args.lora_target_modules
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules="all-linear" if targets == ["all-linear"] else targets,
+                        modules_to_save=[head] if head else None)
+    return get_peft_model(model, config)
+
+
+def trainable_parameters(model) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"{trainable:,} trainable parameters of {total:,} ({trainable / total:.2%})"
+
+
+def merged_model(model, load_base):
+    """A plain transformers model: `model`'s LoRA adapter (peft) merged into a copy of its weights,
+    `model` untouched (peft's merge_and_unload rewrites the model it is given). Over 4-bit base
+    weights the adapter goes onto the full-precision base, `load_base()`: merging into 4-bit
+    weights would round most of it away."""
+    if getattr(model.get_base_model(), "is_loaded_in_4bit", False):
+        full = get_peft_model(load_base(), model.peft_config["default"])
+        set_peft_model_state_dict(full, get_peft_model_state_dict(model))
+        return full.merge_and_unload()
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def saved_form(model, state_dict: dict, output_dir: str, load_base) -> tuple:
+    """What `output_dir` gets, as (model, state dict): a model as it is, or a LoRA model (peft) as
+    its merged model, after the adapter alone is written to `output_dir`/adapter."""
+    if not isinstance(model, PeftModel):
+        return model, state_dict
+    model.save_pretrained(os.path.join(output_dir, "adapter"))
+    merged = merged_model(model, load_base)
+    return merged, merged.state_dict()
+
+
 def check_model_path(path: str) -> None:
     if looks_local(path) and not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path} does not exist")
@@ -373,15 +471,26 @@ def frozen_dtype(mixed_precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
 
 
-def load_policy(path: str, tokenizer, dtype: torch.dtype = torch.float32):
+def load_policy(path: str, tokenizer, dtype: torch.dtype = torch.float32, **quantized):
     """A causal LM in `dtype` whatever the checkpoint's (fp32 master weights for the trained policy;
-    mixed precision is accelerate's job)."""
+    mixed precision is accelerate's job); `quantized`: from `quantization`."""
     check_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **quantized)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     disable_dropout(model)
     return model
+
+
+@contextlib.contextmanager
+def reference_policy(policy, ref_policy):
+    """The model of a reference forward: `ref_policy`, or with LoRA (`ref_policy` None) the policy
+    itself with its adapter disabled, which computes exactly the SFT model's logits."""
+    if ref_policy is not None:
+        yield ref_policy
+    else:
+        with policy.disable_adapter():
+            yield policy
 
 
 def prepare_frozen(model, args: Args, accelerator: Accelerator):
@@ -639,8 +748,8 @@ def evaluate_pairs(args: Args, accelerator: Accelerator, model, ref_policy, pad_
     for batch in dataloader:
         columns = [batch[c] for c in TRAIN_COLUMNS]
         policy_chosen, policy_rejected = pair_logprobs(model, *columns, pad_id)
-        with accelerator.autocast():
-            ref_chosen, ref_rejected = pair_logprobs(ref_policy, *columns, pad_id)
+        with accelerator.autocast(), reference_policy(accelerator.unwrap_model(model), ref_policy) as reference:
+            ref_chosen, ref_rejected = pair_logprobs(reference, *columns, pad_id)
         values = accelerator.gather_for_metrics((batch["row_index"], policy_chosen, policy_rejected, ref_chosen,
                                                  ref_rejected))
         for key, value in zip(gathered, values):
@@ -702,9 +811,13 @@ def main(args: Args) -> None:
     if args.deepspeed and deepspeed_plugin is None:
         raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
                          "(accelerate launch --config_file deepspeed.yaml ...)")
+    if args.offload and args.use_peft:
+        raise ValueError("--offload moves the frozen reference to the CPU; with --use_peft there is none (the "
+                         "reference is the policy with its adapter disabled)")
     if args.offload and deepspeed_plugin is None:
         raise ValueError("--offload puts the frozen reference on DeepSpeed ZeRO-3: launch with a DeepSpeed "
                          "accelerate config (accelerate launch --config_file deepspeed.yaml ...)")
+    check_peft_args(args, deepspeed_plugin is not None)
     clip_norm = clipping_norm(args.max_grad_norm)
     if deepspeed_plugin is not None:
         # our loader yields whole local batches: tell DeepSpeed the real micro-batch and clipping
@@ -739,12 +852,18 @@ def main(args: Args) -> None:
 
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
-    model = load_policy(args.sft_model_path, tokenizer)
-    ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
+    model = load_policy(args.sft_model_path, tokenizer, **quantization(args, accelerator.device))
+    if args.use_peft:  # the reference is the policy with its adapter disabled: no second copy of the weights
+        model, ref_policy = with_lora(model, args), None
+    else:
+        ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
-    optimizer = optimizer_class(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    if accelerator.is_main_process:
+        console.print(f"policy: {trainable_parameters(model)}")
+    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
+                                weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.scheduler, optimizer=optimizer, num_warmup_steps=args.warm_up_steps,
                               num_training_steps=args.num_updates)
 
@@ -774,12 +893,15 @@ def main(args: Args) -> None:
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     eval_loaders = {s: accelerator.prepare(dl) for s, dl in eval_loaders.items()}
     query_loaders = {s: accelerator.prepare(dl) for s, dl in query_loaders.items()}
-    ref_policy = prepare_frozen(ref_policy, args, accelerator)
+    if ref_policy is not None:
+        ref_policy = prepare_frozen(ref_policy, args, accelerator)
+    unwrapped = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
         if deepspeed_plugin is not None:  # what the engine really got
             console.print(f"DeepSpeed engine: ZeRO-{model.zero_optimization_stage()}, "
                           f"gradient_clipping {model.gradient_clipping()}")
-        console.print(f"reference policy: {describe_frozen(ref_policy)}", soft_wrap=True)
+        reference = describe_frozen(ref_policy) if ref_policy is not None else "the policy, its LoRA adapter disabled"
+        console.print(f"reference policy: {reference}", soft_wrap=True)
     checkpoints = Checkpoints(args, accelerator, model, optimizer, [scheduler], identity)
     if resumed:
         checkpoints.load(*resumed)
@@ -804,8 +926,8 @@ def main(args: Args) -> None:
         stats = torch.zeros(8, device=accelerator.device)
         for micro_start in range(0, args.local_batch_size, args.local_micro_batch_size):
             columns = [batch[c][micro_start: micro_start + args.local_micro_batch_size] for c in TRAIN_COLUMNS]
-            with torch.no_grad(), accelerator.autocast():
-                ref_chosen, ref_rejected = pair_logprobs(ref_policy, *columns, pad_id)
+            with torch.no_grad(), accelerator.autocast(), reference_policy(unwrapped, ref_policy) as reference:
+                ref_chosen, ref_rejected = pair_logprobs(reference, *columns, pad_id)
             with accelerator.accumulate(model):
                 policy_chosen, policy_rejected = pair_logprobs(model, *columns, pad_id)
                 losses = dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
@@ -872,9 +994,11 @@ def main(args: Args) -> None:
         state_dict = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
             tokenizer.save_pretrained(args.output_dir)
-            accelerator.unwrap_model(model).save_pretrained(args.output_dir, state_dict=state_dict)
+            saved, state_dict = saved_form(unwrapped, state_dict, args.output_dir,
+                                           lambda: load_policy(args.sft_model_path, tokenizer))
+            saved.save_pretrained(args.output_dir, state_dict=state_dict)
             if args.push_to_hub:
-                push_to_hub(args, accelerator.unwrap_model(model), tokenizer, state_dict)
+                push_to_hub(args, saved, tokenizer, state_dict)
     if torch.cuda.is_available() and accelerator.is_main_process:
         console.print(f"peak GPU memory of rank 0: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
     logger.close()

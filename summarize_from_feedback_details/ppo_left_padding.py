@@ -39,8 +39,10 @@ with parameters offloaded to CPU under `--offload` (works on CPU processes over 
 """
 
 import contextlib
+import copy
 import json
 import os
+import platform
 import random
 import shutil
 import signal
@@ -55,12 +57,13 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast, gather_object
 from datasets import load_dataset, load_from_disk
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from rich.console import Console
 from rich.progress import track
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, DynamicCache,
-                          GenerationConfig, StaticCache)
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig,
+                          DynamicCache, GenerationConfig, StaticCache)
 
 
 @dataclass
@@ -131,6 +134,22 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute the policy's and critic's activations in the backward pass: less memory, about a third
     more compute in the PPO epochs, the same update"""
+
+    # LoRA and 4-bit base weights (DESIGN.md section 18)
+    use_peft: bool = False
+    """train LoRA adapters (peft) instead of every weight. <output_dir> gets the adapter merged in
+    (plain transformers loads it; every later stage reads it) and <output_dir>/adapter the adapter alone"""
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input. The stages run without dropout (N+ detail); > 0 makes the
+    training forwards differ from the rollouts', so PPO's first ratio is no longer 1"""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """module names to adapt (e.g. query_key_value dense); all-linear: every linear layer but the LM head"""
+    load_in_4bit: bool = False
+    """with --use_peft: the frozen base weights of the trained models in 4-bit NF4 (bitsandbytes; a CUDA
+    GPU or an x86-64 CPU with AVX2; not under DeepSpeed). The saved merged model puts the adapter on the
+    full-precision base (QLoRA's usual export)"""
     total_episodes: int = 1_000_000
     local_eval_batch_size: int = 2
     """queries per process for the per-update validation score and in the final eval"""
@@ -451,8 +470,10 @@ def get_values(critic, query_responses: torch.Tensor, pad_id: int) -> torch.Tens
     to each hidden state (not only the last). Same padding/position handling as `get_reward`."""
     attention_mask = query_responses != pad_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    hidden = critic.base_model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False, return_dict=True).last_hidden_state
+    # (a LoRA critic's transformer is under peft's wrapper; its `score` is the trainable copy)
+    body = (critic.get_base_model() if isinstance(critic, PeftModel) else critic).base_model
+    hidden = body(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False, return_dict=True).last_hidden_state
     return critic.score(hidden).squeeze(-1)
 
 
@@ -675,6 +696,84 @@ def enable_gradient_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def check_peft_args(args, deepspeed: bool) -> None:
+    """Stops on LoRA / 4-bit settings that cannot work, before any model is loaded."""
+    if args.load_in_4bit and not args.use_peft:
+        raise ValueError("--load_in_4bit freezes 4-bit base weights under LoRA adapters: add --use_peft")
+    if args.use_peft and args.lora_r < 1:
+        raise ValueError(f"--lora_r must be >= 1, got {args.lora_r}")
+    if args.use_peft and not 0 <= args.lora_dropout < 1:
+        raise ValueError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    if not args.load_in_4bit:
+        return
+    if deepspeed:
+        raise ValueError("--load_in_4bit: DeepSpeed cannot partition bitsandbytes' packed 4-bit weights; "
+                         "launch without DeepSpeed (one process or DDP)")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not torch.cuda.is_available() and not (platform.machine() in ("x86_64", "AMD64")
+                                              and capability in ("AVX2", "AVX512")):
+        raise ValueError(f"--load_in_4bit: bitsandbytes' 4-bit kernels need a CUDA GPU or an x86-64 CPU with AVX2; "
+                         f"this machine has no GPU and a {platform.machine()} CPU with capability {capability}")
+
+
+def quantization(args, device: torch.device) -> dict:
+    """`from_pretrained` arguments of --load_in_4bit: NF4 base weights placed on this process's
+    device, computing in fp32 (mixed precision autocasts them like any other layer)."""
+    if not args.load_in_4bit:
+        return {}
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_compute_dtype=torch.float32),
+            "device_map": {"": device}}
+
+
+def with_lora(model, args, head: Optional[str] = None):
+    """`model` with the LoRA adapters of --use_peft, base weights frozen. "all-linear" adapts every
+    linear layer but the LM head; `head` (a reward model's or critic's `score`) trains in full: peft
+    keeps a trainable copy and the original, which the disabled adapter uses. The adapters start as
+    a zero update (B = 0): the wrapped model computes exactly what the base does."""
+    if args.load_in_4bit:
+        import bitsandbytes
+
+        for module in model.modules():
+            if isinstance(module, bitsandbytes.nn.Linear4bit):
+                # bitsandbytes 0.50 repacks 4-bit weights into an inference layout at the first no-grad
+                # eval-mode forward on AVX512-BF16 CPUs (a rollout), after which every backward fails
+                module.support_avx512bf16_for_cpu = False
+    targets = args.lora_target_modules
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules="all-linear" if targets == ["all-linear"] else targets,
+                        modules_to_save=[head] if head else None)
+    return get_peft_model(model, config)
+
+
+def trainable_parameters(model) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"{trainable:,} trainable parameters of {total:,} ({trainable / total:.2%})"
+
+
+def merged_model(model, load_base):
+    """A plain transformers model: `model`'s LoRA adapter (peft) merged into a copy of its weights,
+    `model` untouched (peft's merge_and_unload rewrites the model it is given). Over 4-bit base
+    weights the adapter goes onto the full-precision base, `load_base()`: merging into 4-bit
+    weights would round most of it away."""
+    if getattr(model.get_base_model(), "is_loaded_in_4bit", False):
+        full = get_peft_model(load_base(), model.peft_config["default"])
+        set_peft_model_state_dict(full, get_peft_model_state_dict(model))
+        return full.merge_and_unload()
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def saved_form(model, state_dict: dict, output_dir: str, load_base) -> tuple:
+    """What `output_dir` gets, as (model, state dict): a model as it is, or a LoRA model (peft) as
+    its merged model, after the adapter alone is written to `output_dir`/adapter."""
+    if not isinstance(model, PeftModel):
+        return model, state_dict
+    model.save_pretrained(os.path.join(output_dir, "adapter"))
+    merged = merged_model(model, load_base)
+    return merged, merged.state_dict()
+
+
 def check_model_path(path: str) -> None:
     if looks_local(path) and not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path} does not exist")
@@ -687,27 +786,38 @@ def frozen_dtype(mixed_precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
 
 
-def load_policy(path: str, tokenizer, dtype: torch.dtype = torch.float32):
+def load_policy(path: str, tokenizer, dtype: torch.dtype = torch.float32, **quantized):
     """A causal LM in `dtype` whatever the checkpoint's (fp32 master weights for the trained policy;
-    mixed precision is accelerate's job)."""
+    mixed precision is accelerate's job); `quantized`: from `quantization`."""
     check_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **quantized)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     disable_dropout(model)
     return model
 
 
-def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32):
+def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, **quantized):
     """A saved reward model (reward.py), head and normalisation included, in `dtype`."""
     check_model_path(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, **quantized)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     # HF's pooling reads the rightmost token that is not config.pad_token_id: the EOS
     model.config.pad_token_id = tokenizer.pad_token_id
     disable_dropout(model)
     return model
+
+
+@contextlib.contextmanager
+def reference_policy(policy, ref_policy):
+    """The model of a reference forward: `ref_policy`, or with LoRA (`ref_policy` None) the policy
+    itself with its adapter disabled, which computes exactly the SFT model's logits."""
+    if ref_policy is not None:
+        yield ref_policy
+    else:
+        with policy.disable_adapter():
+            yield policy
 
 
 class PolicyAndValueWrapper(torch.nn.Module):
@@ -1032,6 +1142,7 @@ def main(args: Args) -> None:
     if args.deepspeed and deepspeed_plugin is None:
         raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
                          "(accelerate launch --config_file deepspeed.yaml ...)")
+    check_peft_args(args, deepspeed_plugin is not None)
     clip_norm = clipping_norm(args.max_grad_norm)
     if args.offload and deepspeed_plugin is None:
         raise ValueError("--offload puts the frozen models on DeepSpeed ZeRO-3: launch with a DeepSpeed "
@@ -1076,16 +1187,24 @@ def main(args: Args) -> None:
 
     tokenizer = load_tokenizer(args.base_model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    policy = load_policy(args.sft_model_path, tokenizer)
-    ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
-    critic = load_reward_model(args.reward_model_path, tokenizer)  # critic = the RM, head included
+    quantized = quantization(args, accelerator.device)
+    policy = load_policy(args.sft_model_path, tokenizer, **quantized)
+    critic = load_reward_model(args.reward_model_path, tokenizer, **quantized)  # critic = the RM, head included
     reward_model = load_reward_model(args.reward_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
+    if args.use_peft:
+        # the reference is the policy with its adapter disabled: no second copy of the weights
+        policy, critic, ref_policy = with_lora(policy, args), with_lora(critic, args, head="score"), None
+    else:
+        ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
         enable_gradient_checkpointing(critic)
     model = PolicyAndValueWrapper(policy, critic, pad_id)
+    if accelerator.is_main_process:
+        console.print(f"policy: {trainable_parameters(policy)}; critic: {trainable_parameters(critic)}")
     optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
-    optimizer = optimizer_class(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
+                                weight_decay=args.weight_decay)
 
     # One explicit query order for every rank and world size; accelerate hands rank r the local
     # batches r, r + world_size, ..., so global batch k is always order[k * batch_size : (k + 1) *
@@ -1098,7 +1217,8 @@ def main(args: Args) -> None:
     train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True,
                               generator=torch.Generator())
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    ref_policy = prepare_frozen(ref_policy, args, accelerator)
+    if ref_policy is not None:
+        ref_policy = prepare_frozen(ref_policy, args, accelerator)
     reward_model = prepare_frozen(reward_model, args, accelerator)
     unwrapped = accelerator.unwrap_model(model)
     compiled_step = None
@@ -1108,8 +1228,8 @@ def main(args: Args) -> None:
         if deepspeed_plugin is not None:  # what the engine of policy + critic really got
             console.print(f"DeepSpeed engine: ZeRO-{model.zero_optimization_stage()}, "
                           f"gradient_clipping {model.gradient_clipping()}")
-        console.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}",
-                      soft_wrap=True)
+        reference = describe_frozen(ref_policy) if ref_policy is not None else "the policy, its LoRA adapter disabled"
+        console.print(f"reference policy: {reference}; reward model: {describe_frozen(reward_model)}", soft_wrap=True)
     # per-update validation: global eval batch u is validation_order[u * G : (u + 1) * G] (wrapping),
     # rank r taking its r-th slice of local_eval_batch_size, so every update scores new queries
     validation = dataset["validation"].with_format("torch", columns=list(QUERY_COLUMNS))
@@ -1192,7 +1312,8 @@ def main(args: Args) -> None:
                 query_response = torch.cat([query, response], 1)
                 with timer("reference_forward"), accelerator.autocast():
                     # the reference sees the raw response, with the same temperature scaling
-                    ref_logits = response_logits(ref_policy, query_response, pad_id, response.shape[1])
+                    with reference_policy(unwrapped.policy, ref_policy) as reference:
+                        ref_logits = response_logits(reference, query_response, pad_id, response.shape[1])
                     ref_logprob = gather_logprobs(scaled_logits(ref_logits, temperature, pad_id), response)
                     del ref_logits
                 with timer("value_forward"), accelerator.autocast():
@@ -1353,7 +1474,8 @@ def main(args: Args) -> None:
         state_dict = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
             policy_state = {k[len("policy."):]: v for k, v in state_dict.items() if k.startswith("policy.")}
-            policy_module = unwrapped.policy
+            policy_module, policy_state = saved_form(unwrapped.policy, policy_state, args.output_dir,
+                                                     lambda: load_policy(args.sft_model_path, tokenizer))
             tokenizer.save_pretrained(args.output_dir)
             policy_module.save_pretrained(args.output_dir, state_dict=policy_state)  # (safetensors)
             if args.push_to_hub:

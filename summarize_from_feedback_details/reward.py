@@ -31,14 +31,16 @@ token, like the original's `config.bias`.
 """
 
 import contextlib
+import copy
 import json
 import math
 import os
+import platform
 import random
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
 
 import numpy as np
@@ -49,11 +51,12 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast
 from datasets import load_dataset, load_from_disk
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from rich.console import Console
 from rich.progress import track
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig, get_scheduler
 
 
 @dataclass
@@ -93,6 +96,22 @@ class Args:
     """defaults to len(train split) * num_train_epochs"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute, the same update"""
+
+    # LoRA and 4-bit base weights (DESIGN.md section 18)
+    use_peft: bool = False
+    """train LoRA adapters (peft) instead of every weight. <output_dir> gets the adapter merged in
+    (plain transformers loads it; every later stage reads it) and <output_dir>/adapter the adapter alone"""
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input. The stages run without dropout (N+ detail); > 0 makes the
+    training forwards differ from the rollouts', so PPO's first ratio is no longer 1"""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """module names to adapt (e.g. query_key_value dense); all-linear: every linear layer but the LM head"""
+    load_in_4bit: bool = False
+    """with --use_peft: the frozen base weights of the trained models in 4-bit NF4 (bitsandbytes; a CUDA
+    GPU or an x86-64 CPU with AVX2; not under DeepSpeed). The saved merged model puts the adapter on the
+    full-precision base (QLoRA's usual export)"""
     rank_dependent_shuffle: bool = False
     """the paper's data order: every rank shuffles the pairs with its own seed before accelerate
     shards them, so ranks overlap and miss pairs (about 66% unique pairs per epoch on 8 GPUs)"""
@@ -349,14 +368,92 @@ def enable_gradient_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def load_reward_model(path: str, tokenizer, head_seed: Optional[int]):
+def check_peft_args(args, deepspeed: bool) -> None:
+    """Stops on LoRA / 4-bit settings that cannot work, before any model is loaded."""
+    if args.load_in_4bit and not args.use_peft:
+        raise ValueError("--load_in_4bit freezes 4-bit base weights under LoRA adapters: add --use_peft")
+    if args.use_peft and args.lora_r < 1:
+        raise ValueError(f"--lora_r must be >= 1, got {args.lora_r}")
+    if args.use_peft and not 0 <= args.lora_dropout < 1:
+        raise ValueError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    if not args.load_in_4bit:
+        return
+    if deepspeed:
+        raise ValueError("--load_in_4bit: DeepSpeed cannot partition bitsandbytes' packed 4-bit weights; "
+                         "launch without DeepSpeed (one process or DDP)")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not torch.cuda.is_available() and not (platform.machine() in ("x86_64", "AMD64")
+                                              and capability in ("AVX2", "AVX512")):
+        raise ValueError(f"--load_in_4bit: bitsandbytes' 4-bit kernels need a CUDA GPU or an x86-64 CPU with AVX2; "
+                         f"this machine has no GPU and a {platform.machine()} CPU with capability {capability}")
+
+
+def quantization(args, device: torch.device) -> dict:
+    """`from_pretrained` arguments of --load_in_4bit: NF4 base weights placed on this process's
+    device, computing in fp32 (mixed precision autocasts them like any other layer)."""
+    if not args.load_in_4bit:
+        return {}
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_compute_dtype=torch.float32),
+            "device_map": {"": device}}
+
+
+def with_lora(model, args, head: Optional[str] = None):
+    """`model` with the LoRA adapters of --use_peft, base weights frozen. "all-linear" adapts every
+    linear layer but the LM head; `head` (a reward model's or critic's `score`) trains in full: peft
+    keeps a trainable copy and the original, which the disabled adapter uses. The adapters start as
+    a zero update (B = 0): the wrapped model computes exactly what the base does."""
+    if args.load_in_4bit:
+        import bitsandbytes
+
+        for module in model.modules():
+            if isinstance(module, bitsandbytes.nn.Linear4bit):
+                # bitsandbytes 0.50 repacks 4-bit weights into an inference layout at the first no-grad
+                # eval-mode forward on AVX512-BF16 CPUs (a rollout), after which every backward fails
+                module.support_avx512bf16_for_cpu = False
+    targets = args.lora_target_modules
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules="all-linear" if targets == ["all-linear"] else targets,
+                        modules_to_save=[head] if head else None)
+    return get_peft_model(model, config)
+
+
+def trainable_parameters(model) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"{trainable:,} trainable parameters of {total:,} ({trainable / total:.2%})"
+
+
+def merged_model(model, load_base):
+    """A plain transformers model: `model`'s LoRA adapter (peft) merged into a copy of its weights,
+    `model` untouched (peft's merge_and_unload rewrites the model it is given). Over 4-bit base
+    weights the adapter goes onto the full-precision base, `load_base()`: merging into 4-bit
+    weights would round most of it away."""
+    if getattr(model.get_base_model(), "is_loaded_in_4bit", False):
+        full = get_peft_model(load_base(), model.peft_config["default"])
+        set_peft_model_state_dict(full, get_peft_model_state_dict(model))
+        return full.merge_and_unload()
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def saved_form(model, state_dict: dict, output_dir: str, load_base) -> tuple:
+    """What `output_dir` gets, as (model, state dict): a model as it is, or a LoRA model (peft) as
+    its merged model, after the adapter alone is written to `output_dir`/adapter."""
+    if not isinstance(model, PeftModel):
+        return model, state_dict
+    model.save_pretrained(os.path.join(output_dir, "adapter"))
+    merged = merged_model(model, load_base)
+    return merged, merged.state_dict()
+
+
+def load_reward_model(path: str, tokenizer, head_seed: Optional[int], **quantized):
     """A sequence-classification model with one label from `path`. From an SFT (causal-LM)
     checkpoint the LM head is dropped and a fresh head is initialised (`head_seed`); from a saved
-    reward model (`head_seed=None`) the head is kept."""
+    reward model (`head_seed=None`) the head is kept. `quantized`: from `quantization`."""
     if looks_local(path) and not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path} does not exist")
     # fp32 master weights whatever the checkpoint's dtype; mixed precision is accelerate's job
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32, **quantized)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     # HF reads the reward at the rightmost token that is not config.pad_token_id
@@ -640,6 +737,7 @@ def main(args: Args) -> None:
     if args.deepspeed and deepspeed_plugin is None:
         raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
                          "(accelerate launch --config_file deepspeed.yaml ...)")
+    check_peft_args(args, deepspeed_plugin is not None)
     clip_norm = clipping_norm(args.max_grad_norm)
     if deepspeed_plugin is not None:
         # our loader yields whole local batches: tell DeepSpeed the real micro-batch and clipping
@@ -673,14 +771,21 @@ def main(args: Args) -> None:
 
     tokenizer = load_tokenizer(args.base_model)
     pad_id = tokenizer.pad_token_id
-    if args.reward_model_path:
-        model = load_reward_model(args.reward_model_path, tokenizer, head_seed=None)
-    else:
-        model = load_reward_model(args.sft_model_path, tokenizer, head_seed=args.seed)
+    def load_base(**quantized):  # an RM to continue training, or the SFT model under a fresh head
+        if args.reward_model_path:
+            return load_reward_model(args.reward_model_path, tokenizer, head_seed=None, **quantized)
+        return load_reward_model(args.sft_model_path, tokenizer, head_seed=args.seed, **quantized)
+
+    model = load_base(**quantization(args, accelerator.device))
+    if args.use_peft:
+        model = with_lora(model, args, head="score")
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if accelerator.is_main_process:
+        console.print(f"model: {trainable_parameters(model)}")
     optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
-    optimizer = optimizer_class(model.parameters(), lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
+                                weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.scheduler, optimizer=optimizer, num_warmup_steps=args.warm_up_steps,
                               num_training_steps=args.num_updates)
 
@@ -782,6 +887,12 @@ def main(args: Args) -> None:
     # Normalisation: shift the rewards so the SFT train references score 0 on average. Every rank
     # gathers the same rewards and shifts its own copy of the model identically.
     unwrapped = accelerator.unwrap_model(model)
+    if args.use_peft:
+        # the shift goes into the final norm, which the adapter does not own: from here on (scoring,
+        # normalising, saving) the merged model; the adapter alone is saved as trained
+        if args.output_dir and accelerator.is_main_process:
+            unwrapped.save_pretrained(os.path.join(args.output_dir, "adapter"))
+        model = unwrapped = merged_model(unwrapped, load_base).to(accelerator.device).eval()
     scores = score_references(accelerator, model, pad_id, reference_loader, concatenated=True)
     before = scores["reward"].double()
     with full_parameters([unwrapped.score.weight, final_norm(unwrapped).bias]):

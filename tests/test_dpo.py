@@ -442,11 +442,47 @@ def test_clear_errors(tiny_datasets, models_dir, tmp_path):
                          "truncate_response", "forward", "generation_config", "without_stop_ids", "generate",
                          "looks_local", "load_tokenizer", "load_split_dataset", "disable_dropout",
                          "enable_gradient_checkpointing", "Logger", "push_to_hub", "rng_state", "set_rng_state",
-                         "find_checkpoint", "Checkpoints")),
+                         "find_checkpoint", "Checkpoints", "check_peft_args", "quantization", "with_lora",
+                         "trainable_parameters", "merged_model", "saved_form")),
     (reward, "pair_table"),
     (reward, "accuracy_breakdown"),
     *((ppo_left_padding, n) for n in ("check_model_path", "frozen_dtype", "load_policy", "prepare_frozen",
-                                      "describe_frozen")),
+                                      "describe_frozen", "reference_policy")),
 ])
 def test_copies_of_other_stages_helpers_are_identical(module, name):
     assert inspect.getsource(getattr(dpo, name)) == inspect.getsource(getattr(module, name))
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (DESIGN section 18)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_lora_dpo_reference_is_the_disabled_adapter(tiny_datasets, models_dir, tmp_path):
+    """LoRA DPO: no second model is loaded; the first loss is exactly log 2 (the reference, the
+    policy with its adapter disabled, equals the policy at B = 0), micro-batch 1 x 4 == 4 x 1, the
+    pairs separate, and the saved model is the SFT model where no adapter sits, bit for bit."""
+    common = dict(total_episodes=8, lr=0.1, eps=1.0, use_peft=True, lora_r=4)
+    m1, _, p1 = run_dpo(tiny_datasets, models_dir, str(tmp_path), "micro1", local_micro_batch_size=1,
+                        gradient_accumulation_steps=4, **common)
+    m4, _, p4 = run_dpo(tiny_datasets, models_dir, str(tmp_path), "micro4", local_micro_batch_size=4,
+                        gradient_accumulation_steps=1, **common)
+    assert len(m1) == 2 and m1[0]["train/rm/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert m1[0]["train/dpo/logps_chosen"] == m1[0]["train/dpo/ref_logps_chosen"]
+    # the reference stays the SFT model: the policy moved, the reference log-probs did not
+    assert m1[1]["train/dpo/logps_chosen"] != m1[1]["train/dpo/ref_logps_chosen"]
+    # (implicit rewards: beta x a difference of summed log-probs, whose float32 noise is ~1e-7 of ~50)
+    for key in ("train/rm/loss", "train/rm/chosen_rewards", "train/dpo/ref_logps_chosen", "train/dpo/logps_rejected"):
+        assert curve(m1, key) == pytest.approx(curve(m4, key), rel=1e-5, abs=1e-6), key
+    assert_same_params(p1, p4, rtol=1e-5, atol=1e-6)
+    base = load_file(os.path.join(sft_model(models_dir), "model.safetensors"))
+    assert (p1[KEY] - base[KEY]).abs().max() > 1e-5  # (an adapted matrix)
+    norm = "gpt_neox.final_layer_norm.weight"
+    assert torch.equal(p1[norm], base[norm]) and torch.equal(p1["gpt_neox.embed_in.weight"], base["gpt_neox.embed_in.weight"])
+    assert os.path.exists(tmp_path / "micro1" / "adapter" / "adapter_model.safetensors")
+
+
+def test_lora_has_no_reference_to_offload(tiny_datasets, models_dir, tmp_path):
+    args = dpo_args(tiny_datasets, models_dir, str(tmp_path), "x", use_peft=True, offload=True)
+    with pytest.raises(ValueError, match="with --use_peft there is none"):
+        run_in_process(dpo.main, args, str(tmp_path))

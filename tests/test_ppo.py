@@ -79,7 +79,9 @@ def test_truncation_after_eos_known_answer_and_same_as_sft():
                                   "forward", "generation_config", "without_stop_ids", "generate", "looks_local",
                                   "load_tokenizer", "load_split_dataset", "disable_dropout",
                                   "enable_gradient_checkpointing", "Logger", "push_to_hub", "rng_state",
-                                  "set_rng_state", "find_checkpoint", "Checkpoints"])
+                                  "set_rng_state", "find_checkpoint", "Checkpoints",
+                                  "check_peft_args", "quantization", "with_lora", "trainable_parameters",
+                                  "merged_model", "saved_form"])
 def test_copies_of_sft_helpers_are_identical(name):
     assert inspect.getsource(getattr(ppo, name)) == inspect.getsource(getattr(sft, name))
 
@@ -1051,3 +1053,113 @@ def test_deepspeed_resume_equals_the_uninterrupted_run(one_process, deepspeed_ru
     assert_same_params(p_whole, load_file(os.path.join(workdir, "ds_stopped", "model.safetensors")), rtol=0, atol=0)
     samples = run_files(workdir, "ds_offloadFalse", "samples_*.csv")
     assert len(samples) == 4 and run_files(workdir, "ds_stopped", "samples_*.csv") == samples
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (DESIGN section 18)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_lora_reference_is_the_sft_model_exactly(checkpoints):
+    """The policy with its adapter disabled computes the SFT model's logits bit for bit, also once
+    the adapter has moved; the LoRA critic starts as the reward model (B = 0, the head copied) and
+    only its adapter and its head copy train."""
+    sft_path, rm_path = checkpoints
+    args = ppo.Args(use_peft=True, lora_r=4)
+    tokenizer = AutoTokenizer.from_pretrained(sft_path)
+    rows = torch.randint(2, 1000, (3, 20), generator=torch.Generator().manual_seed(0))
+    rows[0, :5] = PAD
+    sft_model = ppo.load_policy(sft_path, tokenizer)
+    with torch.no_grad():
+        expected = ppo.forward(sft_model, rows, PAD).logits
+    policy = ppo.with_lora(ppo.load_policy(sft_path, tokenizer), args)
+    with torch.no_grad():
+        assert torch.equal(ppo.forward(policy, rows, PAD).logits, expected)  # (B = 0)
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(generator=torch.Generator().manual_seed(1))
+        assert (ppo.forward(policy, rows, PAD).logits - expected).abs().max() > 1e-2
+        with ppo.reference_policy(policy, None) as reference:
+            assert torch.equal(ppo.forward(reference, rows, PAD).logits, expected)
+    assert {n.split(".")[-2] for n, p in policy.named_parameters() if p.requires_grad} == {"default"}
+    assert all(("lora_A" in n or "lora_B" in n) for n, p in policy.named_parameters() if p.requires_grad)
+
+    critic = ppo.with_lora(ppo.load_reward_model(rm_path, tokenizer), args, head="score")
+    with torch.no_grad():
+        assert torch.equal(ppo.get_values(critic, rows, PAD), ppo.get_values(ppo.load_reward_model(rm_path, tokenizer),
+                                                                               rows, PAD))
+    trainable = [n for n, p in critic.named_parameters() if p.requires_grad]
+    assert [n for n in trainable if "lora_" not in n] == ["base_model.model.score.modules_to_save.default.weight"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_datasets, checkpoints, tmp_path_factory):
+    """LoRA PPO, global batch 8 for 3 updates: one process as micro-batch 2 x accumulation 4 and as
+    4 x 2, two processes (DDP), and two under DeepSpeed ZeRO-2, at a learning rate that moves the
+    policy measurably in 3 updates (KL > 1e-3) and keeps float noise from growing past the tolerances."""
+    workdir = str(tmp_path_factory.mktemp("ppo_lora"))
+    common = dict(total_episodes=24, local_rollout_forward_batch_size=2, lr=3e-3, use_peft=True, lora_r=4,
+                  print_sample_output_freq=1)
+    runs = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for micro in (2, 4):
+            args = tiny_args(tiny_datasets, checkpoints, workdir, f"micro{micro}", local_micro_batch_size=micro,
+                             gradient_accumulation_steps=8 // micro, local_eval_batch_size=4, **common)
+            runs[f"micro{micro}"] = run_ppo(args, workdir)
+    finally:
+        torch.set_num_threads(threads)
+    two = tiny_args(tiny_datasets, checkpoints, workdir, "two", local_micro_batch_size=2, gradient_accumulation_steps=2,
+                    local_eval_batch_size=2, **common)
+    runs["two"] = launch(two, workdir, 2)[1]
+    runs["zero2"] = launch(variant(two, workdir, "zero2", deepspeed=True), workdir, 2, config=DS_CONFIG)[1]
+    params = {name: load_file(os.path.join(workdir, name, "model.safetensors")) for name in runs}
+    return workdir, runs, params
+
+
+def test_lora_first_ratio_is_one_and_the_reference_exact(lora_runs):
+    _, runs, _ = lora_runs
+    for name, metrics in runs.items():
+        assert len(metrics) == 3
+        for m in metrics:
+            assert m["ppo/val/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-5), name
+            assert m["ppo/policy/approxkl_first_minibatch"] < 1e-9, name
+        # before the first step the policy is its reference: zero KL, not a small one
+        assert abs(metrics[0]["objective/kl"]) < 1e-6, name
+        assert metrics[-1]["objective/kl"] > 1e-3, name  # the adapters moved the policy away
+
+
+@pytest.mark.slow
+def test_lora_micro_batch_processes_and_zero2_give_the_same_update(lora_runs):
+    _, runs, params = lora_runs
+    for name in ("micro4", "two", "zero2"):
+        assert_same_metrics(runs["micro2"], runs[name], RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS)
+        assert_same_params(params["micro2"], params[name], rtol=1e-4, atol=1e-6)
+
+
+def test_lora_saves_the_merged_policy_and_the_adapter(lora_runs, checkpoints):
+    """The saved policy is a plain causal LM: the SFT weights where LoRA has no adapter (embeddings,
+    norms, LM head: bit for bit), SFT + the adapter's update where it has one; its logits are those
+    of the SFT model wrapped with the saved adapter."""
+    from peft import PeftModel
+
+    workdir, _, params = lora_runs
+    sft_path = checkpoints[0]
+    base = load_file(os.path.join(sft_path, "model.safetensors"))
+    merged = params["micro2"]
+    assert merged.keys() == base.keys()
+    adapted = {k for k in base if k.endswith(("query_key_value.weight", "attention.dense.weight",
+                                              "dense_h_to_4h.weight", "dense_4h_to_h.weight"))}
+    assert len(adapted) == 4 * 2  # (2 layers)
+    for key in base:
+        if key in adapted:
+            assert (merged[key] - base[key]).abs().max() > 1e-4, key
+        else:
+            assert torch.equal(merged[key], base[key]), key
+    rows = torch.randint(2, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    wrapped = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sft_path),
+                                        os.path.join(workdir, "micro2", "adapter")).eval()
+    plain = AutoModelForCausalLM.from_pretrained(os.path.join(workdir, "micro2")).eval()
+    with torch.no_grad():
+        assert torch.allclose(plain(rows).logits, wrapped(rows).logits, atol=1e-5)

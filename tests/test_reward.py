@@ -616,7 +616,9 @@ def test_deepspeed_zero3_matches_ddp_and_saves_the_normalised_model(tiny_dataset
 @pytest.mark.parametrize("name", ["derive_batch_sizes", "clipping_norm", "epoch_permutations", "looks_local",
                                   "load_tokenizer", "load_split_dataset", "disable_dropout",
                                   "enable_gradient_checkpointing", "Logger", "push_to_hub", "rng_state",
-                                  "set_rng_state", "find_checkpoint", "Checkpoints"])
+                                  "set_rng_state", "find_checkpoint", "Checkpoints",
+                                  "check_peft_args", "quantization", "with_lora", "trainable_parameters",
+                                  "merged_model", "saved_form"])
 def test_copies_of_sft_helpers_are_identical(name):
     assert inspect.getsource(getattr(reward, name)) == inspect.getsource(getattr(sft, name))
 
@@ -633,3 +635,46 @@ def test_copies_of_sft_helpers_behave_the_same(models_dir):
     for path in ("EleutherAI/pythia-1b", "./x", "/abs/y", "a/b/c", sft_model(models_dir)):
         assert reward.looks_local(path) == sft.looks_local(path)
     assert reward.load_tokenizer(sft_model(models_dir)).pad_token_id == sft.load_tokenizer(sft_model(models_dir)).pad_token_id
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (DESIGN section 18)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_lora_trains_adapters_and_head_and_saves_a_normalised_merged_model(tiny_datasets, models_dir, tmp_path):
+    """LoRA reward model, micro-batch 1 x 4 == 4 x 1 (Adam eps 1, as above). Saved: a plain model
+    in which only the adapted matrices, the head and the final norm's bias (the normalisation) differ
+    from the initial reward model; its rewards of the references average 0. The adapter alone, head
+    included, lies in adapter/."""
+    from peft import PeftModel
+
+    common = dict(total_episodes=4, local_eval_batch_size=128, lr=0.1, eps=1.0, use_peft=True, lora_r=4)
+    m1 = run_reward(tiny_datasets, models_dir, str(tmp_path), "micro1", local_micro_batch_size=1,
+                    gradient_accumulation_steps=4, **common)
+    m4 = run_reward(tiny_datasets, models_dir, str(tmp_path), "micro4", local_micro_batch_size=4,
+                    gradient_accumulation_steps=1, **common)
+    assert m1["train/rm/loss"] == pytest.approx(m4["train/rm/loss"], rel=1e-6)
+    p1, p4 = saved_params(str(tmp_path), "micro1"), saved_params(str(tmp_path), "micro4")
+    assert p1.keys() == p4.keys()
+    for key in p1:
+        assert torch.allclose(p1[key], p4[key], rtol=1e-6, atol=1e-7), (key, (p1[key] - p4[key]).abs().max())
+    tokenizer = reward.load_tokenizer(sft_model(models_dir))
+    initial = reward.load_reward_model(sft_model(models_dir), tokenizer, head_seed=3)
+    adapted = ("query_key_value.weight", "attention.dense.weight", "dense_h_to_4h.weight", "dense_4h_to_h.weight")
+    before = {k: v for k, v in initial.state_dict().items()}
+    assert p1.keys() == before.keys()
+    for key in before:
+        if key.endswith(adapted) or key in ("score.weight", "gpt_neox.final_layer_norm.bias"):
+            assert (p1[key] - before[key]).abs().max() > 1e-4, key
+        else:
+            assert torch.equal(p1[key], before[key]), key
+    assert m1["eval/rm/normalization_max_error"] < 1e-5 and abs(m1["eval/rm/reference_mean_after_normalization"]) < 1e-6
+    # the adapter as trained (before the normalisation shift) on the initial model: the saved rewards
+    # up to the normalisation offset
+    wrapped = PeftModel.from_pretrained(initial, str(tmp_path / "micro1" / "adapter")).eval()
+    merged = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "micro1")).eval()
+    ids = torch.tensor(load_from_disk(os.path.join(tiny_datasets[0], "sft"))["train"][:8]["query_reference_response_token"])
+    with torch.no_grad():
+        shifted = reward.get_reward(wrapped, ids, PAD) + m1["eval/rm/normalization_offset"]
+        assert torch.allclose(reward.get_reward(merged, ids, PAD), shifted, atol=1e-5)

@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -455,3 +456,79 @@ def test_clear_errors(tiny_datasets, tokenizer_dir, tmp_path):
         if not f.startswith("tokenizer"):
             os.symlink(os.path.join(tokenizer_dir, f), tmp_path / "badtok" / f)
     assert "pad token equals EOS" in fails("--base_model", str(tmp_path / "badtok"), "--query_dataset", sft_data)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA and 4-bit base weights (DESIGN section 18)
+# ---------------------------------------------------------------------------------------------
+
+ADAPTED = ("query_key_value.weight", "attention.dense.weight", "dense_h_to_4h.weight", "dense_4h_to_h.weight")
+
+
+def test_lora_micro_batch_split_and_the_saved_merged_model(tiny_datasets, tokenizer_dir, tmp_path):
+    """LoRA SFT: micro-batch 1 x 4 == 4 x 1; the saved model is the base where no adapter sits
+    (embeddings, norms, LM head: bit for bit) and base + the adapter's update where one does, with
+    the logits of the base wrapped in the saved adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    common = ("--total_episodes", "8", "--use_peft", "--lora_r", "4", "--lr", "1e-2")
+    result, m1, p1 = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "lora1", "--local_micro_batch_size", "1",
+                             "--gradient_accumulation_steps", "4", *common)
+    _, m4, p4 = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "lora4", "--local_micro_batch_size", "4",
+                        "--gradient_accumulation_steps", "1", *common)
+    # r 4 x (in + out features) of qkv 64->192, dense 64->64, 64->256, 256->64, in 2 layers
+    assert "model: 8,192 trainable parameters of" in result.stdout
+    assert losses(m1) == pytest.approx(losses(m4), rel=1e-6) and len(losses(m1)) == 2
+    assert_same_params(p1, p4)
+    base = load_file(os.path.join(tokenizer_dir, "model.safetensors"))
+    assert p1.keys() == base.keys()
+    for key in base:
+        if key.endswith(ADAPTED):
+            assert (p1[key] - base[key]).abs().max() > 1e-4, key
+        else:
+            assert torch.equal(p1[key], base[key]), key
+    rows = torch.randint(2, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    wrapped = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tokenizer_dir),
+                                        str(tmp_path / "lora1" / "adapter")).eval()
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "lora1")).eval()
+    with torch.no_grad():
+        assert torch.allclose(plain(rows).logits, wrapped(rows).logits, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="4-bit needs AVX2")
+def test_load_in_4bit_trains_lora_over_nf4_weights(tiny_datasets, tokenizer_dir, tmp_path):
+    """--load_in_4bit: the base's linear layers in NF4 (so the first loss is not the fp32 model's),
+    2 updates with an eval-mode sample generation after each (on AVX512-BF16 CPUs bitsandbytes would
+    switch the weights to an inference layout there, breaking the next backward), and a saved model
+    that is the fp32 base with the adapter merged in."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    common = ("--total_episodes", "16", "--local_micro_batch_size", "4", "--gradient_accumulation_steps", "2",
+              "--use_peft", "--lora_r", "4", "--lr", "1e-2", "--print_sample_output_freq", "1")
+    _, full, _ = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "lora", *common)
+    _, quantized, _ = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "lora4bit", *common, "--load_in_4bit")
+    assert len(losses(quantized)) == 2 and all(map(math.isfinite, losses(quantized)))
+    assert abs(losses(quantized)[0] - losses(full)[0]) > 1e-4  # the same data through NF4 weights
+    assert losses(quantized)[1] != losses(full)[1]
+    expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tokenizer_dir),
+                                         str(tmp_path / "lora4bit" / "adapter")).merge_and_unload()
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "lora4bit"))
+    assert_same_params(saved.state_dict(), expected.state_dict(), rtol=0, atol=1e-7)
+    assert all(v.dtype == torch.float32 for v in saved.state_dict().values())
+
+
+def test_peft_settings_that_cannot_work_are_refused(monkeypatch):
+    def fails(match, deepspeed=False, **settings):
+        with pytest.raises(ValueError, match=match):
+            sft.check_peft_args(sft.Args(**settings), deepspeed)
+
+    fails("add --use_peft", load_in_4bit=True)
+    fails("--lora_r must be >= 1", use_peft=True, lora_r=0)
+    fails(r"--lora_dropout must be in \[0, 1\)", use_peft=True, lora_dropout=1.0)
+    fails("DeepSpeed cannot partition", deepspeed=True, use_peft=True, load_in_4bit=True)
+    sft.check_peft_args(sft.Args(use_peft=True, load_in_4bit=True), False)  # this machine: fine
+    monkeypatch.setattr(sft.platform, "machine", lambda: "arm64")
+    fails("need a CUDA GPU or an x86-64 CPU with AVX2; this machine has no GPU and a arm64 CPU",
+          use_peft=True, load_in_4bit=True)
