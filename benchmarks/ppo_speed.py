@@ -39,6 +39,12 @@ forward per position (prefill + decode with a KV cache), and attention's sequenc
 left out (about 6% of a 160m model's at 181 tokens, less for larger models). Utilisation is achieved
 FLOP/s over the peak measured here: the best of a few square matmuls (fp32 on CPU, bf16 on a GPU)
 with the same thread count (CPU: threads x processes, capped at the cores), x processes on GPUs.
+`--variants full lora`: each setting with every weight trained and with the stage's LoRA
+(`--use_peft`, rank `--lora_r`); `trainable` counts what the optimizer updates in policy + critic, and
+`peak GiB` is the one-process run's peak memory (GPU: tensors; CPU: the process's resident-set
+high-water mark, Python included; not measured for launched runs). The FLOP count is full training's
+for both variants (LoRA skips the frozen weights' gradients, about a third of the training FLOPs),
+so a `lora` row's utilisation reads as a full-training-equivalent rate.
 Decode: `ms/step` is the generation phase over `response_length` steps (the prefill included);
 `floor ms` is the least a step can take at this device's measured copy bandwidth (the best of a few
 large buffer copies): it must read the policy's matmul weights (fp32, bf16 under DeepSpeed on a
@@ -118,6 +124,10 @@ class Args:
     pythia-2.8b, pythia-6.9b"""
     strategies: list[Literal["single", "ddp", "zero2", "zero2-offload"]] = field(default_factory=lambda: ["single"])
     micro_batch_sizes: list[int] = field(default_factory=lambda: [16])
+    variants: list[Literal["full", "lora"]] = field(default_factory=lambda: ["full"])
+    """full: every weight of policy and critic trains; lora: the stage's --use_peft (adapters on every
+    linear layer, the critic's head in full, the reference = the policy with its adapter disabled)"""
+    lora_r: int = 16
     """per-process micro-batch sizes, capped at the per-process batch (which each must divide)"""
     num_processes: int = 2
     """processes of the ddp / zero2 strategies (one GPU each on GPUs)"""
@@ -198,6 +208,40 @@ def matmul_params(shape: str) -> tuple:
 def total_params(shape: str) -> int:
     """Parameters of the policy, embeddings included (what "1m" / "pythia-1b" name)."""
     return matmul_params(shape)[0] + model_config(shape).vocab_size * model_config(shape).hidden_size
+
+
+def trainable_params(shape: str, variant: str, lora_r: int) -> int:
+    """Parameters the optimizer updates in policy + critic: all of them, or with LoRA the adapters
+    and the critic's head (counted on models built on the meta device: no memory, any size)."""
+    with torch.device("meta"):
+        policy = AutoModelForCausalLM.from_config(model_config(shape))
+        critic = AutoModelForSequenceClassification.from_config(model_config(shape, num_labels=1))
+        if variant == "lora":
+            lora = ppo.Args(use_peft=True, lora_r=lora_r)
+            policy, critic = ppo.with_lora(policy, lora), ppo.with_lora(critic, lora, head="score")
+    return sum(p.numel() for model in (policy, critic) for p in model.parameters() if p.requires_grad)
+
+
+def reset_peak_memory(device: str) -> None:
+    """Starts a peak-memory measurement of this process: CUDA's allocator peak, or on Linux the
+    resident-set high-water mark (writing 5 to /proc/self/clear_refs resets it)."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    elif os.path.exists("/proc/self/clear_refs"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def peak_memory_gib(device: str) -> float:
+    """GiB: on a GPU the tensors' peak, on a CPU the process's peak resident memory (Python and
+    libraries included); NaN where neither can be read."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2 ** 30
+    if not os.path.exists("/proc/self/status"):
+        return math.nan
+    with open("/proc/self/status") as f:
+        (line,) = [line for line in f if line.startswith("VmHWM:")]
+    return int(line.split()[1]) / 2 ** 20  # (kB)
 
 
 def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -361,6 +405,7 @@ class Setting:
     num_processes: int
     micro_batch_size: int
     threads: int
+    variant: str = "full"
 
 
 def stage_args(args: Args, setting: Setting, sft_path: str, rm_path: str, dataset: str, run_name: str) -> ppo.Args:
@@ -377,6 +422,8 @@ def stage_args(args: Args, setting: Setting, sft_path: str, rm_path: str, datase
         deepspeed=setting.strategy.startswith("zero2"), offload=setting.strategy == "zero2-offload",
     )
     stage.ppo.noptepochs = args.noptepochs
+    if setting.variant == "lora":
+        stage.use_peft, stage.lora_r = True, args.lora_r
     return stage
 
 
@@ -500,14 +547,20 @@ def measure_ours(args: Args, setting: Setting, workdir: str, device: str) -> dic
     sft_path, rm_path = build_checkpoints(setting.shape, args.cache_dir, args.seed)
     dataset = build_query_dataset(args.cache_dir, args.batch_size, args.query_length, args.response_length,
                                   config.vocab_size, args.seed)
-    name = f"{setting.shape}_{setting.strategy}{setting.num_processes}_mb{setting.micro_batch_size}_{time.time_ns()}"
+    name = (f"{setting.shape}_{setting.strategy}{setting.num_processes}_mb{setting.micro_batch_size}_"
+            f"{setting.variant}_{time.time_ns()}")
     stage = stage_args(args, setting, sft_path, rm_path, dataset, name)
+    peak = math.nan  # (a launched run's processes are not this one)
     if setting.strategy == "single":
+        release_memory()
+        reset_peak_memory(device)
         run_ours_in_process(stage, workdir, device, setting.threads)
+        peak = peak_memory_gib(device)
     else:
         run_ours_launched(stage, setting, workdir, device)
     metrics = read_metrics(workdir, name)
-    return {"seconds": [m["time/update"] for m in metrics[1:]], "phases": phase_seconds(metrics[1:])}
+    return {"seconds": [m["time/update"] for m in metrics[1:]], "phases": phase_seconds(metrics[1:]),
+            "peak_memory_gib": peak}
 
 
 def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak: float, bandwidth: float) -> dict:
@@ -531,6 +584,8 @@ def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak:
                                    2 if device == "cuda" else 4)
     return {
         "shape": setting.shape, "params": total_params(setting.shape), "strategy": setting.strategy,
+        "variant": setting.variant, "trainable_params": trainable_params(setting.shape, setting.variant, args.lora_r),
+        "peak_memory_gib": measured["peak_memory_gib"],
         "processes": setting.num_processes, "micro_batch": setting.micro_batch_size, "batch": args.batch_size,
         "query_length": args.query_length, "response_length": args.response_length, "device": device,
         "precision": "bf16" if device == "cuda" else "fp32", "threads": setting.threads,
@@ -559,7 +614,9 @@ def speed_settings(args: Args, device: str) -> list:
             local_batch = max(1, args.batch_size // processes)
             # a micro-batch larger than a process's share of the batch means "all of it"
             for micro in dict.fromkeys(min(m, local_batch) for m in args.micro_batch_sizes):
-                settings.append(Setting(shape, strategy, processes, micro, args.threads or default_threads))
+                for variant in args.variants:
+                    settings.append(Setting(shape, strategy, processes, micro, args.threads or default_threads,
+                                            variant))
     return settings
 
 
@@ -588,13 +645,14 @@ def run_speed(args: Args, device: str, console: Console) -> list:
     rows, peaks, bandwidths = [], {}, {}
     for setting in speed_settings(args, device):
         base = {"shape": setting.shape, "strategy": setting.strategy, "processes": setting.num_processes,
-                "micro_batch": setting.micro_batch_size, "device": device}
+                "micro_batch": setting.micro_batch_size, "variant": setting.variant, "device": device}
         problem = check_setting(args, setting)
         if problem:
             rows.append({**base, "status": f"skipped: {problem}"})
             continue
         console.print(f"[bold]{setting.shape}[/] {setting.strategy} x{setting.num_processes} micro-batch "
-                      f"{setting.micro_batch_size}, {setting.threads} thread(s) per process", highlight=False)
+                      f"{setting.micro_batch_size} {setting.variant}, {setting.threads} thread(s) per process",
+                      highlight=False)
         # the peak this setting's hardware share can give: all its threads (CPU) or all its GPUs
         peak_threads = min(available_cores(), setting.threads * setting.num_processes) if device == "cpu" else 1
         if peak_threads not in peaks:
@@ -803,11 +861,11 @@ def ordered_phases(names) -> list:
 def print_speed_table(rows: list, console: Console) -> None:
     phases = ordered_phases(k[len("time/"):] for row in rows for k in row if k.startswith("time/"))
     table = Table(title="ppo_left_padding.py: seconds per update (median over the measured updates)")
-    for column in ["shape", "params", "strategy", "proc", "micro", "s/update",
+    for column in ["shape", "params", "strategy", "variant", "trainable", "proc", "micro", "s/update",
                    *[PHASE_LABELS.get(p, p) for p in phases], "other", "tok/s", "gen tok/s", "ms/step",
-                   "floor ms", "TFLOP/upd", "util",
+                   "floor ms", "TFLOP/upd", "util", "peak GiB",
                    "status"]:
-        text = column in ("shape", "strategy", "status")
+        text = column in ("shape", "strategy", "variant", "status")
         table.add_column(column, justify="left" if text else "right", no_wrap=column != "status")
     for row in rows:
         ok = row.get("status") == "ok"
@@ -815,13 +873,14 @@ def print_speed_table(rows: list, console: Console) -> None:
         def number(value, fmt):
             return format(value, fmt) if ok and value is not None and not math.isnan(value) else "-"
 
-        table.add_row(row["shape"], f"{total_params(row['shape']) / 1e6:.1f}M", row["strategy"],
+        table.add_row(row["shape"], f"{total_params(row['shape']) / 1e6:.1f}M", row["strategy"], row["variant"],
+                      f"{row['trainable_params'] / 1e6:.2f}M" if ok else "-",
                       str(row["processes"]), str(row["micro_batch"]), number(row.get("s_per_update"), ".3f"),
                       *[number(row.get(f"time/{p}"), ".3f") for p in phases], number(row.get("other_s"), ".3f"),
                       number(row.get("tokens_per_s"), ".0f"), number(row.get("generated_tokens_per_s"), ".0f"),
                       number(row.get("decode_ms_per_step"), ".2f"), number(row.get("floor_ms_per_step"), ".2f"),
                       number(row.get("tflop_per_update"), ".4f"), f"{row['utilisation']:.1%}" if ok else "-",
-                      row["status"])
+                      number(row.get("peak_memory_gib"), ".2f"), row["status"])
     # a wide console even in a pipe or a log: the table has a column per phase
     Console(width=max(console.width, 180)).print(table)
 
@@ -847,7 +906,7 @@ def plot_speed(rows: list, path: str) -> None:
     if not rows:
         return
     phases = ordered_phases(k[len("time/"):] for r in rows for k in r if k.startswith("time/"))
-    labels = [f"{r['shape']} {r['strategy']} x{r['processes']} mb{r['micro_batch']}" for r in rows]
+    labels = [f"{r['shape']} {r['strategy']} x{r['processes']} mb{r['micro_batch']} {r['variant']}" for r in rows]
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.8))
     left = np.zeros(len(rows))
     for phase in phases + ["other"]:

@@ -432,8 +432,9 @@ def with_lora(model, args, head: Optional[str] = None):
 
 
 def trainable_parameters(model) -> str:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    # (ZeRO-3 loads each rank's shard only: a parameter's full size is its ds_numel)
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    trainable, total = sum(n for n, trains in sizes if trains), sum(n for n, _ in sizes)
     return f"{trainable:,} trainable parameters of {total:,} ({trainable / total:.2%})"
 
 
@@ -647,7 +648,8 @@ class Checkpoints:
 
     A checkpoint holds what decides the rest of the run: the trained model and its optimizer (under
     DeepSpeed in its own ZeRO format through accelerate, with every rank's RNG streams; otherwise
-    plain torch files of the unwrapped model, so another process count can resume), the `objects`
+    plain torch files of the unwrapped model's trained parameters, so another process count can
+    resume), the `objects`
     (learning-rate scheduler, KL controller), every rank's RNG streams, and `trainer_state.json`: the
     update reached (the data position follows from the global order), the run name, where the logs
     stand, the stage's `records`, and the `identity` a resume must match. It is written aside and
@@ -678,7 +680,11 @@ class Checkpoints:
                 self.accelerator.load_state(path)
             else:
                 saved = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
-                self.accelerator.unwrap_model(self.model).load_state_dict(saved["model"])
+                model = self.accelerator.unwrap_model(self.model)
+                missing, unexpected = model.load_state_dict(saved["model"], strict=False)
+                trained = {name for name, p in model.named_parameters() if p.requires_grad}
+                if unexpected or trained & set(missing):
+                    raise KeyError(f"not this model's: {unexpected[:5]}; missing: {sorted(trained & set(missing))[:5]}")
                 self.optimizer.load_state_dict(saved["optimizer"])
                 for obj, obj_state in zip(self.objects, saved["objects"], strict=True):
                     obj.load_state_dict(obj_state)
@@ -716,7 +722,11 @@ class Checkpoints:
             self.accelerator.save_state(partial)
         else:
             if main:
-                torch.save({"model": self.accelerator.unwrap_model(self.model).state_dict(),
+                # the trained parameters: frozen ones (a LoRA run's base) are reloaded from their own
+                # checkpoint at the start of every run
+                model = self.accelerator.unwrap_model(self.model)
+                trained = {name for name, p in model.named_parameters() if p.requires_grad}
+                torch.save({"model": {k: v for k, v in model.state_dict().items() if k in trained},
                             "optimizer": self.optimizer.state_dict(),
                             "objects": [obj.state_dict() for obj in self.objects]}, os.path.join(partial, "state.pt"))
             torch.save(rng_state(), os.path.join(partial, f"rng_rank{self.accelerator.process_index}.pt"))
@@ -828,7 +838,10 @@ def main(args: Args) -> None:
     # (with the paper's per-rank shuffle the data order also depends on the process count)
     identity = {"stage": "dpo", "seed": args.seed, "batch_size": args.batch_size,
                 "total_episodes": args.total_episodes, "num_updates": args.num_updates,
-                "order": f"per rank of {world_size}" if args.rank_dependent_shuffle else "global"}
+                "order": f"per rank of {world_size}" if args.rank_dependent_shuffle else "global",
+                # adapters over frozen weights resume only with the same LoRA settings
+                "lora": ([args.lora_r, args.lora_alpha, args.lora_target_modules, args.load_in_4bit]
+                         if args.use_peft else None)}
     if (args.resume or args.checkpoint_every) and not args.output_dir:
         raise ValueError("--resume and --checkpoint_every keep checkpoints in <output_dir>/checkpoints: set --output_dir")
     resumed = find_checkpoint(args.output_dir, identity, world_size, deepspeed_plugin is not None) if args.resume else None

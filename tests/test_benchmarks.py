@@ -27,7 +27,7 @@ SPEED_COLUMNS = {"shape", "params", "strategy", "processes", "micro_batch", "bat
                  "device", "precision", "threads", "updates_measured", "s_per_update", "s_per_update_min",
                  "s_per_update_max", "tokens_per_s", "generated_tokens_per_s", "tflop_per_update", "achieved_tflops",
                  "peak_tflops", "utilisation", "other_s", "decode_ms_per_step", "floor_ms_per_step", "bandwidth_gb_s",
-                 "status"}
+                 "variant", "trainable_params", "peak_memory_gib", "status"}
 # the per-update phases ppo_left_padding.py logs under time/
 STAGE_PHASES = {"validation", "generation", "reference_forward", "value_forward", "reward_forward", "ppo_epochs"}
 TRL_PHASES = {"generation", "reference_forward", "value_forward", "reward_forward"}
@@ -40,12 +40,14 @@ def read_csv(path) -> list:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """One `--mode both` run: the table for single + ddp x2, then one round of ours vs TRL. One
+    """One `--mode both` run: the table for single + ddp x2, each with every weight and with LoRA
+    (rank 4), then one round of ours vs TRL. One
     torch thread (generation is hundreds of tiny ops: a thread pool on a small shared CPU only slows
     them down), a small matmul for the peak."""
     folder = tmp_path_factory.mktemp("ppo_speed")
     args = ppo_speed.Args(
         mode="both", shapes=["tiny-s"], strategies=["single", "ddp"], micro_batch_sizes=[4], num_processes=2,
+        variants=["full", "lora"], lora_r=4,
         batch_size=4, query_length=16, response_length=8, eval_batch_size=1, updates=2, rounds=1, threads=1,
         matmul_size=256, out=str(folder / "out"), cache_dir=str(folder / "cache"),
     )
@@ -64,15 +66,16 @@ def test_speed_csv_rows_and_columns(smoke):
     args, _, stdout = smoke
     rows = read_csv(os.path.join(args.out, "ppo_speed.csv"))
     # (the micro-batch is capped at each process's share of the batch)
-    assert [(r["strategy"], r["processes"], r["micro_batch"]) for r in rows] == [("single", "1", "4"),
-                                                                                  ("ddp", "2", "2")]
+    assert [(r["strategy"], r["processes"], r["micro_batch"], r["variant"]) for r in rows] == [
+        ("single", "1", "4", "full"), ("single", "1", "4", "lora"),
+        ("ddp", "2", "2", "full"), ("ddp", "2", "2", "lora")]
     for row in rows:
         assert row["status"] == "ok", row["status"]
         assert SPEED_COLUMNS | {f"time/{p}" for p in STAGE_PHASES} <= set(row), set(row) ^ SPEED_COLUMNS
         assert row["shape"] == "tiny-s" and int(row["params"]) == 231168 and row["device"] == "cpu"
         assert int(row["updates_measured"]) == 1  # 2 updates, the first is warm-up
         values = {k: float(row[k]) for k in row if k.startswith(("s_per", "time/", "tokens", "generated", "tflop",
-                                                                   "achieved", "peak", "utilisation"))}
+                                                                   "achieved", "peak_tflops", "utilisation"))}
         assert all(math.isfinite(v) and v > 0 for v in values.values()), values
         # the phases are parts of the update (one measured update: the medians are its own values)
         assert sum(v for k, v in values.items() if k.startswith("time/")) <= values["s_per_update"] * (1 + 1e-9)
@@ -85,6 +88,14 @@ def test_speed_csv_rows_and_columns(smoke):
         assert float(row["floor_ms_per_step"]) == pytest.approx(
             1e3 * ppo_speed.decode_step_bytes("tiny-s", rows_decoded, 24, 4, 4) / (float(row["bandwidth_gb_s"]) * 1e9))
         assert 0 < float(row["floor_ms_per_step"]) < float(row["decode_ms_per_step"])
+        # policy 231,168 + critic 165,696 (the backbone and a 64-wide head); LoRA rank 4: 8,192 adapter
+        # weights per model (4 x (in + out) of 4 matrices x 2 layers) and the critic's head
+        assert int(row["trainable_params"]) == (396864 if row["variant"] == "full" else 2 * 8192 + 64)
+        # peak memory of the one-process runs (this process's resident set: Python, torch and the models)
+        if row["strategy"] == "single":
+            assert 0.1 < float(row["peak_memory_gib"]) < 24
+        else:
+            assert math.isnan(float(row["peak_memory_gib"]))
     assert "seconds per update" in stdout and "tiny-s" in stdout  # the rich table
     assert os.path.getsize(os.path.join(args.out, "ppo_speed.png")) > 0
 

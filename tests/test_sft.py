@@ -532,3 +532,26 @@ def test_peft_settings_that_cannot_work_are_refused(monkeypatch):
     monkeypatch.setattr(sft.platform, "machine", lambda: "arm64")
     fails("need a CUDA GPU or an x86-64 CPU with AVX2; this machine has no GPU and a arm64 CPU",
           use_peft=True, load_in_4bit=True)
+
+
+@pytest.mark.parametrize("four_bit", [False, pytest.param(True, marks=pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="4-bit needs AVX2"))],
+    ids=["lora", "lora-4bit"])
+def test_lora_resume_equals_the_uninterrupted_run(tiny_datasets, tokenizer_dir, tmp_path, monkeypatch, four_bit):
+    """A LoRA run (over 4-bit weights too) stopped by SIGUSR1 in update 2 of 4 and resumed: the
+    uninterrupted run's metrics and saved model, bit for bit; a run without LoRA refuses its
+    checkpoint, naming the setting."""
+    common = dict(total_episodes=32, local_micro_batch_size=4, gradient_accumulation_steps=2, use_peft=True, lora_r=4,
+                  load_in_4bit=four_bit)
+    whole, p_whole = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "whole", **common)
+    with monkeypatch.context() as patch:
+        signal_on_call(patch, sft, "sequence_losses", 3)
+        with pytest.raises(SystemExit):
+            sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", **common)
+    assert os.listdir(tmp_path / "stopped" / "checkpoints") == ["update-0000002"]
+    with pytest.raises(ValueError, match=r"lora \[4, 32.0, \['all-linear'\], (True|False)\] there, None here"):
+        sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", resume=True,
+                       **{**common, "use_peft": False, "load_in_4bit": False})
+    resumed, p_resumed = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", resume=True, **common)
+    assert without_rates(resumed) == without_rates(whole) and len(losses(whole)) == 4
+    assert_same_params(p_whole, p_resumed, rtol=0, atol=0)

@@ -319,6 +319,22 @@ def test_memory_knobs_by_model_size(repo):
     assert flag(four[3], "--gradient_accumulation_steps") == "2" and flag(four[3], "--local_micro_batch_size") == "8"
 
 
+def test_lora_flags_reach_every_stage_and_6_9b_dpo_offloads_nothing(repo):
+    """EXTRA_FLAGS="--use_peft ..." (the README's LoRA chain): every stage gets the flags; at 6.9b
+    PPO still offloads its frozen reward model, DPO (whose reference is then the policy with its
+    adapter disabled) has nothing to offload and is not given --offload, which it would refuse."""
+    result, calls = chain(repo, models="EleutherAI/pythia-6.9b-deduped", task=0,
+                          EXTRA_FLAGS="--use_peft --lora_r 64 --lora_alpha 128")
+    assert result.returncode == 0, result.stderr
+    assert len(calls) == 4
+    for call in calls:
+        assert "--use_peft" in call and flag(call, "--lora_r") == "64" and flag(call, "--lora_alpha") == "128"
+    assert "--offload" in calls[2] and "--offload" not in calls[3]
+    result, calls = chain(repo, models="EleutherAI/pythia-6.9b-deduped", task=0, DPO_FLAGS="--use_peft")
+    assert result.returncode == 0, result.stderr
+    assert "--offload" in calls[2] and "--offload" not in calls[3] and "--use_peft" in calls[3]
+
+
 def test_dpo_reads_the_sft_model_of_its_model_and_seed(repo):
     models = "EleutherAI/pythia-6.9b-deduped EleutherAI/pythia-1b-deduped"
     result, calls = chain(repo, models=models, task=3)  # model 1 (1b), seed 2
