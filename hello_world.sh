@@ -10,6 +10,11 @@
 #   MODEL=EleutherAI/pythia-410m-deduped ./hello_world.sh
 #                              the real pipeline with the paper's hyperparameters on this node's
 #                              GPUs: hub data and model, DeepSpeed ZeRO-2 (deepspeed.yaml), bf16
+#   NAME=lora_hello_world PPO_FLAGS="--use_peft --lr 1e-3" ./hello_world.sh
+#                              flags of your own, last on a stage's command line (so they win):
+#                              EXTRA_FLAGS for every training stage, SFT_FLAGS (both SFT runs),
+#                              REWARD_FLAGS, PPO_FLAGS, DPO_FLAGS for one; NAME names the models/,
+#                              runs/ and plot folders (default hello_world[_<model>])
 set -euo pipefail
 # An array that may be empty is expanded as ${a[@]+"${a[@]}"}: under set -u, bash before 4.4
 # (4.2 on older login nodes) aborts on "${a[@]}" of an empty array with "a[@]: unbound variable".
@@ -82,11 +87,11 @@ TINY_LENGTHS=(
 
 if [[ $MODEL == "$BASE_MODELS_DIR"/* ]]; then
     TINY=1
-    NAME=hello_world              # models/$NAME/<stage>, runs/${NAME}_<stage>
+    NAME=${NAME:-hello_world}     # models/$NAME/<stage>, runs/${NAME}_<stage>
     DATASET_DIR=data/tldr         # tokenized sft/ and preference/ datasets
 else
     TINY=0
-    NAME=hello_world_$(basename "$MODEL")
+    NAME=${NAME:-hello_world_$(basename "$MODEL")}
     DATASET_DIR=data/$(basename "$MODEL")
     if [[ $DATA_ONLY == 1 ]]; then
         echo "--data builds the embedded default; leave MODEL unset" >&2; exit 2
@@ -121,16 +126,25 @@ run_stage() {
 # run_training STAGE SCRIPT ARGS...: a training stage in a fresh run folder runs/${NAME}_STAGE
 # (metrics.jsonl is appended to, so a rerun must not inherit the last run's)
 run_training() {
-    local stage=$1 script=summarize_from_feedback_details/$2
+    local stage=$1 script=summarize_from_feedback_details/$2 own
     shift 2
+    case $stage in
+        sft*) own=${SFT_FLAGS:-} ;;
+        reward) own=${REWARD_FLAGS:-} ;;
+        ppo) own=${PPO_FLAGS:-} ;;
+        *) own=${DPO_FLAGS:-} ;;
+    esac
+    local extra=()
+    read -ra extra <<<"${EXTRA_FLAGS:-} $own"
     rm -rf "runs/${NAME}_$stage"
     if [[ $TINY == 1 ]]; then
-        $PY "$script" "$@" --run_name "${NAME}_$stage" --seed "$SEED" --run_eval
+        $PY "$script" "$@" --run_name "${NAME}_$stage" --seed "$SEED" --run_eval ${extra[@]+"${extra[@]}"}
     else
         local track=()
         if [[ $TRACK == 1 ]]; then track=(--track); fi
         .venv/bin/accelerate launch --config_file deepspeed.yaml --num_processes "$NUM_GPUS" "$script" "$@" \
-            --run_name "${NAME}_$stage" --seed "$SEED" --run_eval --deepspeed ${track[@]+"${track[@]}"}
+            --run_name "${NAME}_$stage" --seed "$SEED" --run_eval --deepspeed ${track[@]+"${track[@]}"} \
+            ${extra[@]+"${extra[@]}"}
     fi
 }
 # accumulation BATCH MICRO: the gradient_accumulation_steps that keep the paper's BATCH

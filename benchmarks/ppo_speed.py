@@ -41,8 +41,8 @@ FLOP/s over the peak measured here: the best of a few square matmuls (fp32 on CP
 with the same thread count (CPU: threads x processes, capped at the cores), x processes on GPUs.
 `--variants full lora`: each setting with every weight trained and with the stage's LoRA
 (`--use_peft`, rank `--lora_r`); `trainable` counts what the optimizer updates in policy + critic, and
-`peak GiB` is the one-process run's peak memory (GPU: tensors; CPU: the process's resident-set
-high-water mark, Python included; not measured for launched runs). The FLOP count is full training's
+`peak GiB` is what the one-process run added at its peak (GPU: tensors; CPU: the resident set's
+high-water mark above the resident set before the run; not measured for launched runs). The FLOP count is full training's
 for both variants (LoRA skips the frozen weights' gradients, about a third of the training FLOPs),
 so a `lora` row's utilisation reads as a full-training-equivalent rate.
 Decode: `ms/step` is the generation phase over `response_length` steps (the prefill included);
@@ -80,6 +80,7 @@ import contextlib
 import csv
 import functools
 import gc
+import importlib
 import json
 import math
 import os
@@ -222,26 +223,36 @@ def trainable_params(shape: str, variant: str, lora_r: int) -> int:
     return sum(p.numel() for model in (policy, critic) for p in model.parameters() if p.requires_grad)
 
 
-def reset_peak_memory(device: str) -> None:
-    """Starts a peak-memory measurement of this process: CUDA's allocator peak, or on Linux the
-    resident-set high-water mark (writing 5 to /proc/self/clear_refs resets it)."""
+def process_memory_kib(field: str) -> int:
+    """A memory line of /proc/self/status (Linux): VmRSS (resident now) or VmHWM (its peak)."""
+    with open("/proc/self/status") as f:
+        (line,) = [line for line in f if line.startswith(f"{field}:")]
+    return int(line.split()[1])
+
+
+def reset_peak_memory(device: str) -> int:
+    """Starts a peak-memory measurement: CUDA's allocator peak, or on Linux the resident-set
+    high-water mark (writing 5 to /proc/self/clear_refs resets it). Returns the baseline (KiB
+    resident now; 0 on a GPU, whose counter starts empty)."""
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    elif os.path.exists("/proc/self/clear_refs"):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        return 0
+    if not os.path.exists("/proc/self/clear_refs"):
+        return -1
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return process_memory_kib("VmRSS")
 
 
-def peak_memory_gib(device: str) -> float:
-    """GiB: on a GPU the tensors' peak, on a CPU the process's peak resident memory (Python and
-    libraries included); NaN where neither can be read."""
+def peak_memory_gib(device: str, baseline: int) -> float:
+    """GiB the run added at its peak: on a GPU the tensors' peak, on a CPU the resident-set peak
+    above `baseline` (models, optimizer state, activations, allocator slack; the libraries were
+    loaded before); NaN where it cannot be read."""
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2 ** 30
-    if not os.path.exists("/proc/self/status"):
+    if baseline < 0:
         return math.nan
-    with open("/proc/self/status") as f:
-        (line,) = [line for line in f if line.startswith("VmHWM:")]
-    return int(line.split()[1]) / 2 ** 20  # (kB)
+    return (process_memory_kib("VmHWM") - baseline) / 2 ** 20
 
 
 def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -553,9 +564,9 @@ def measure_ours(args: Args, setting: Setting, workdir: str, device: str) -> dic
     peak = math.nan  # (a launched run's processes are not this one)
     if setting.strategy == "single":
         release_memory()
-        reset_peak_memory(device)
+        baseline = reset_peak_memory(device)
         run_ours_in_process(stage, workdir, device, setting.threads)
-        peak = peak_memory_gib(device)
+        peak = peak_memory_gib(device, baseline)
     else:
         run_ours_launched(stage, setting, workdir, device)
     metrics = read_metrics(workdir, name)
@@ -642,6 +653,8 @@ def failure_reason(error: Exception) -> str:
 
 
 def run_speed(args: Args, device: str, console: Console) -> list:
+    if "lora" in args.variants:  # the stage imports peft for LoRA runs: here, outside their memory measurement
+        importlib.import_module("peft")
     rows, peaks, bandwidths = [], {}, {}
     for setting in speed_settings(args, device):
         base = {"shape": setting.shape, "strategy": setting.strategy, "processes": setting.num_processes,

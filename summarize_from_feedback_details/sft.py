@@ -32,7 +32,6 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast
 from datasets import load_dataset, load_from_disk
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from rich.console import Console
 from rich.progress import track
 from rouge_score import rouge_scorer
@@ -343,7 +342,10 @@ def with_lora(model, args, head: Optional[str] = None):
     """`model` with the LoRA adapters of --use_peft, base weights frozen. "all-linear" adapts every
     linear layer but the LM head; `head` (a reward model's or critic's `score`) trains in full: peft
     keeps a trainable copy and the original, which the disabled adapter uses. The adapters start as
-    a zero update (B = 0): the wrapped model computes exactly what the base does."""
+    a zero update (B = 0): the wrapped model computes exactly what the base does. (peft is imported
+    here: it takes seconds to import, bitsandbytes with it, and only LoRA runs need it.)"""
+    from peft import LoraConfig, get_peft_model
+
     if args.load_in_4bit:
         import bitsandbytes
 
@@ -371,6 +373,8 @@ def merged_model(model, load_base):
     `model` untouched (peft's merge_and_unload rewrites the model it is given). Over 4-bit base
     weights the adapter goes onto the full-precision base, `load_base()`: merging into 4-bit
     weights would round most of it away."""
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
     if getattr(model.get_base_model(), "is_loaded_in_4bit", False):
         full = get_peft_model(load_base(), model.peft_config["default"])
         set_peft_model_state_dict(full, get_peft_model_state_dict(model))
@@ -378,10 +382,10 @@ def merged_model(model, load_base):
     return copy.deepcopy(model).merge_and_unload()
 
 
-def saved_form(model, state_dict: dict, output_dir: str, load_base) -> tuple:
+def saved_form(model, state_dict: dict, output_dir: str, load_base, use_peft: bool) -> tuple:
     """What `output_dir` gets, as (model, state dict): a model as it is, or a LoRA model (peft) as
     its merged model, after the adapter alone is written to `output_dir`/adapter."""
-    if not isinstance(model, PeftModel):
+    if not use_peft:
         return model, state_dict
     model.save_pretrained(os.path.join(output_dir, "adapter"))
     merged = merged_model(model, load_base)
@@ -817,7 +821,8 @@ def main(args: Args) -> None:
         state_dict = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
             tokenizer.save_pretrained(args.output_dir)
-            saved, state_dict = saved_form(accelerator.unwrap_model(model), state_dict, args.output_dir, load_base)
+            saved, state_dict = saved_form(accelerator.unwrap_model(model), state_dict, args.output_dir, load_base,
+                                           args.use_peft)
             saved.save_pretrained(args.output_dir, state_dict=state_dict)
             if args.push_to_hub:
                 push_to_hub(args, saved, tokenizer, state_dict)

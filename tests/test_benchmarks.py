@@ -91,9 +91,9 @@ def test_speed_csv_rows_and_columns(smoke):
         # policy 231,168 + critic 165,696 (the backbone and a 64-wide head); LoRA rank 4: 8,192 adapter
         # weights per model (4 x (in + out) of 4 matrices x 2 layers) and the critic's head
         assert int(row["trainable_params"]) == (396864 if row["variant"] == "full" else 2 * 8192 + 64)
-        # peak memory of the one-process runs (this process's resident set: Python, torch and the models)
+        # what the one-process runs added to this process at their peak (models, optimizer state, activations)
         if row["strategy"] == "single":
-            assert 0.1 < float(row["peak_memory_gib"]) < 24
+            assert 0 < float(row["peak_memory_gib"]) < 24
         else:
             assert math.isnan(float(row["peak_memory_gib"]))
     assert "seconds per update" in stdout and "tiny-s" in stdout  # the rich table

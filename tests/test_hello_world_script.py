@@ -169,3 +169,24 @@ def test_data_only(checkout):
         "summarize_from_feedback_details/tldr_dataset.py"]
     result, _ = run(checkout, 8, "--data", MODEL="EleutherAI/pythia-1b-deduped")
     assert result.returncode == 2 and "leave MODEL unset" in result.stderr
+
+
+def test_own_flags_reach_their_stages_last_and_name_separates_the_run(checkout):
+    """NAME=lora_hello_world PPO_FLAGS=... (the README's LoRA example): PPO alone gets the flags, after
+    its own (so --lr wins), EXTRA_FLAGS reaches every training stage, and the models, runs and plots
+    go under the new name; on the GPU path too."""
+    result, calls = run(checkout, 0, NAME="lora_hello_world", PPO_FLAGS="--use_peft --lr 1e-3",
+                        EXTRA_FLAGS="--gradient_checkpointing")
+    assert result.returncode == 0, result.stderr
+    (ppo,) = stage_calls(calls, "ppo_left_padding.py")
+    assert ppo[-3:] == ["--use_peft", "--lr", "1e-3"] and ppo.count("--lr") == 2
+    assert flag(ppo, "--output_dir") == "models/lora_hello_world/ppo" and flag(ppo, "--run_name") == "lora_hello_world_ppo"
+    training = [c for script in ("sft.py", "reward.py", "ppo_left_padding.py", "dpo.py") for c in stage_calls(calls, script)]
+    assert len(training) == 5 and all("--gradient_checkpointing" in c for c in training)
+    assert not [c for c in training if "--use_peft" in c and c is not ppo]
+    (plot,) = stage_calls(calls, "eval/rlhf_scaling_plot.py")
+    assert flag(plot, "--run_glob") == "lora_hello_world_*"
+    result, calls = run(checkout, 8, MODEL="EleutherAI/pythia-1b-deduped", DPO_FLAGS="--beta 0.1")
+    assert result.returncode == 0, result.stderr
+    (dpo_call,) = stage_calls(calls, "dpo.py")
+    assert dpo_call[-2:] == ["--beta", "0.1"] and dpo_call[0] == "accelerate"
