@@ -10,7 +10,7 @@
 #   MODEL=EleutherAI/pythia-410m-deduped ./hello_world.sh
 #                              the real pipeline with the paper's hyperparameters on this node's
 #                              GPUs: hub data and model, DeepSpeed ZeRO-2 (deepspeed.yaml), bf16
-#   NAME=lora_hello_world PPO_FLAGS="--use_peft --lr 1e-3" ./hello_world.sh
+#   NAME=lora_hello_world PPO_FLAGS="--use_peft --lr 3e-4" ./hello_world.sh
 #                              flags of your own, last on a stage's command line (so they win):
 #                              EXTRA_FLAGS for every training stage, SFT_FLAGS (both SFT runs),
 #                              REWARD_FLAGS, PPO_FLAGS, DPO_FLAGS for one; NAME names the models/,

@@ -175,11 +175,11 @@ def test_own_flags_reach_their_stages_last_and_name_separates_the_run(checkout):
     """NAME=lora_hello_world PPO_FLAGS=... (the README's LoRA example): PPO alone gets the flags, after
     its own (so --lr wins), EXTRA_FLAGS reaches every training stage, and the models, runs and plots
     go under the new name; on the GPU path too."""
-    result, calls = run(checkout, 0, NAME="lora_hello_world", PPO_FLAGS="--use_peft --lr 1e-3",
+    result, calls = run(checkout, 0, NAME="lora_hello_world", PPO_FLAGS="--use_peft --lr 3e-4",
                         EXTRA_FLAGS="--gradient_checkpointing")
     assert result.returncode == 0, result.stderr
     (ppo,) = stage_calls(calls, "ppo_left_padding.py")
-    assert ppo[-3:] == ["--use_peft", "--lr", "1e-3"] and ppo.count("--lr") == 2
+    assert ppo[-3:] == ["--use_peft", "--lr", "3e-4"] and ppo.count("--lr") == 2
     assert flag(ppo, "--output_dir") == "models/lora_hello_world/ppo" and flag(ppo, "--run_name") == "lora_hello_world_ppo"
     training = [c for script in ("sft.py", "reward.py", "ppo_left_padding.py", "dpo.py") for c in stage_calls(calls, script)]
     assert len(training) == 5 and all("--gradient_checkpointing" in c for c in training)
