@@ -1,7 +1,8 @@
 """`make test-gpu`: sft.py, reward.py, ppo_left_padding.py and dpo.py on one GPU with bf16 and DeepSpeed
 ZeRO-2 (the paper's deepspeed.yaml on one process), a few updates each, on a randomly initialised
 model of Pythia-410m's shape (vocab 50304; no hub is reachable there either) and data tokenized to
-the paper's lengths (query 512, response 53). Skipped without CUDA and not part of `make test`.
+the paper's lengths (query 512, response 53); then PPO with LoRA under the same engine and a LoRA
+SFT over 4-bit NF4 base weights. Skipped without CUDA and not part of `make test`.
 
 The same pipeline runs on the CPU at a tiny shape in fp32 inside `make test` (`cpu-smoke`, with
 the bf16 thresholds), so this file cannot rot between GPU runs."""
@@ -49,9 +50,9 @@ def random_pythia(shape: dict, tokenizer_dir: str, folder: str) -> str:
     return folder
 
 
-def launch(stage: str, setting: str, workdir, *flags) -> str:
+def launch(stage: str, setting: str, workdir, *flags, run_name: str = None) -> str:
     script = os.path.join(REPO, "summarize_from_feedback_details", f"{stage}.py")
-    command = accelerate_launcher(1, SETTINGS[setting]["config"]) + [script, "--run_name", stage, *flags]
+    command = accelerate_launcher(1, SETTINGS[setting]["config"]) + [script, "--run_name", run_name or stage, *flags]
     start = time.time()
     stdout = run_script(command, workdir, **SETTINGS[setting]["env"]).stdout
     print(f"[{setting}] {stage}: {time.time() - start:.0f} s in all", file=sys.stderr)
@@ -95,6 +96,22 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
                       "--label_dataset", preference_data, "--query_dataset", sft_data, "--output_dir", out["dpo"],
                       "--total_episodes", "64", "--local_eval_batch_size", "16", *BATCH),
     }
+    # LoRA: PPO with adapters under the same DeepSpeed engine (the reference = the adapter disabled),
+    # and SFT over 4-bit NF4 base weights (bitsandbytes; without DeepSpeed, which cannot shard them)
+    stdout["ppo_lora"] = launch(
+        "ppo_left_padding", setting, tmp_path, "--base_model", base, "--sft_model_path", out["sft"],
+        "--reward_model_path", out["reward"], "--query_dataset", sft_data, "--output_dir", str(tmp_path / "ppo_lora"),
+        "--total_episodes", "64", "--nminibatches", "2", "--local_rollout_forward_batch_size", "16",
+        "--local_eval_batch_size", "16", "--use_peft", "--lr", "3e-5", *BATCH, run_name="ppo_lora")
+    four_bit = torch.cuda.is_available() or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    if four_bit:
+        stdout["sft_4bit"] = run_script(
+            [sys.executable, os.path.join(REPO, "summarize_from_feedback_details", "sft.py"), "--run_name", "sft_4bit",
+             "--base_model", base, "--query_dataset", sft_data, "--output_dir", str(tmp_path / "sft_4bit"),
+             "--total_episodes", "32", "--local_micro_batch_size", "8", "--gradient_accumulation_steps", "2",
+             "--use_peft", "--load_in_4bit", "--lr", "1e-4"],
+            tmp_path, ACCELERATE_MIXED_PRECISION="bf16" if setting == "gpu" else "no",
+            **SETTINGS[setting]["env"]).stdout
     metrics = {stage: read_metrics(tmp_path, stage) for stage in stdout}
     for stage, lines in metrics.items():
         assert all(math.isfinite(v) for m in lines for v in m.values() if isinstance(v, float)), stage
@@ -105,6 +122,12 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
     for m in ppo:  # generation logprobs == training logprobs in bf16: the N+ sanity check
         assert m["ppo/val/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-2)
         assert m["ppo/policy/approxkl_first_minibatch"] < 1e-3
+    for m in [m for m in metrics["ppo_lora"] if "ppo/loss/policy_avg" in m]:
+        assert m["ppo/val/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-2)
+        assert m["ppo/policy/approxkl_first_minibatch"] < 1e-3
+    assert "reference policy: the policy, its LoRA adapter disabled" in " ".join(stdout["ppo_lora"].split())
+    if four_bit:
+        assert len([m for m in metrics["sft_4bit"] if "train/sft/loss" in m]) == 2
     dpo = [m for m in metrics["dpo"] if "train/rm/loss" in m]
     # before its first step the policy is the reference (bf16 policy vs bf16 reference engine)
     assert len(dpo) == 4 and dpo[0]["train/rm/loss"] == pytest.approx(math.log(2), abs=1e-2)
@@ -116,7 +139,8 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
     tokenizer = AutoTokenizer.from_pretrained(out["ppo_left_padding"])
     query = torch.tensor([tokenizer.encode("SUBREDDIT: r/relationships\n\nTITLE: help\n\nPOST: hi\n\nTL;DR:")],
                          device=device)
-    for stage in ("sft", "ppo_left_padding", "dpo"):
+    out.update({"ppo_lora": str(tmp_path / "ppo_lora"), "sft_4bit": str(tmp_path / "sft_4bit")})
+    for stage in ("sft", "ppo_left_padding", "dpo", "ppo_lora") + (("sft_4bit",) if four_bit else ()):
         model = AutoModelForCausalLM.from_pretrained(out[stage]).to(device)
         assert model.generate(query, max_new_tokens=8, do_sample=False).shape[1] > query.shape[1]
     rm = AutoModelForSequenceClassification.from_pretrained(out["reward"]).to(device)
