@@ -101,8 +101,9 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
     stdout["ppo_lora"] = launch(
         "ppo_left_padding", setting, tmp_path, "--base_model", base, "--sft_model_path", out["sft"],
         "--reward_model_path", out["reward"], "--query_dataset", sft_data, "--output_dir", str(tmp_path / "ppo_lora"),
-        "--total_episodes", "64", "--nminibatches", "2", "--local_rollout_forward_batch_size", "16",
-        "--local_eval_batch_size", "16", "--use_peft", "--lr", "3e-5", *BATCH, run_name="ppo_lora")
+        "--total_episodes", "32", "--nminibatches", "2", "--local_rollout_forward_batch_size", "16",
+        "--local_eval_batch_size", "16", "--use_peft", "--lr", "3e-5", *[f for f in BATCH if f != "--run_eval"],
+        run_name="ppo_lora")  # (one update, no final eval: the run above has both)
     four_bit = torch.cuda.is_available() or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     if four_bit:
         stdout["sft_4bit"] = run_script(
