@@ -29,6 +29,13 @@ test-gpu: install
 clean:
 	rm -rf $(VENV) data models runs
 
+# Opt-in, not part of `make test`: the embedded default over tiny-s, -m, -l x seeds 1 2 3 (SFT, reward
+# model, PPO; about an hour on a 2-core CPU), then the scaling plots and the results table in
+# eval/images/scaling/. Finished runs are reused; SIZES / SEEDS choose others (scaling.sh).
+.PHONY: scaling
+scaling: install
+	./scaling.sh
+
 # Opt-in, not part of `make test`: the sbatches/ chain (TINY=1) and a PPO task stopped twice,
 # requeued and resumed, on a throwaway one-node Slurm cluster started on this machine; then one task
 # over two nodes (two slurmd in network namespaces on a bridge) stopped, requeued and resumed,

@@ -15,6 +15,7 @@
 #                              EXTRA_FLAGS for every training stage, SFT_FLAGS (both SFT runs),
 #                              REWARD_FLAGS, PPO_FLAGS, DPO_FLAGS for one; NAME names the models/,
 #                              runs/ and plot folders (default hello_world[_<model>])
+#   DPO=0 ./hello_world.sh     without dpo.py (make scaling: the sizes x seeds sweep of scaling.sh)
 set -euo pipefail
 # An array that may be empty is expanded as ${a[@]+"${a[@]}"}: under set -u, bash before 4.4
 # (4.2 on older login nodes) aborts on "${a[@]}" of an empty array with "a[@]: unbound variable".
@@ -65,6 +66,8 @@ PPO_ROLLOUT_FORWARD_BATCH=${PPO_ROLLOUT_FORWARD_BATCH:-64}   # rollout generatio
 EVAL_BATCH=${EVAL_BATCH:-8}
 PPO_OFFLOAD=${PPO_OFFLOAD:-0}    # 1: the frozen reference and reward model live in CPU memory (6.9b)
 TRACK=${TRACK:-0}                # 1: log to wandb as well (WANDB_MODE=offline keeps it local)
+DPO=${DPO:-1}                    # 0: no dpo.py
+[[ $DPO == 0 || $DPO == 1 ]] || { echo "DPO must be 0 or 1, got '$DPO'" >&2; exit 2; }
 # The win-rate judge of real runs: OPENAI_API_KEY (with OPENAI_BASE_URL for another
 # OpenAI-compatible server) and JUDGE_MODEL (gpt-3.5-turbo-0125, the paper's); none: no win rates.
 
@@ -199,7 +202,7 @@ if [[ $TINY == 1 ]]; then
     # DPO from PPO's SFT on the reward model's pairs: one epoch at batch 32, the paper's beta 0.05.
     # Learning rates 3e-4 and 1e-3 raise the implicit-reward accuracy but lower the gold-judge win
     # rate (1e-3: 0.07, below SFT); 1e-4 beat SFT.
-    run_stage "dpo.py" $OUT_DIR/dpo/model.safetensors \
+    [[ $DPO == 0 ]] || run_stage "dpo.py" $OUT_DIR/dpo/model.safetensors \
         run_training dpo dpo.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
             --label_dataset $DATASET_DIR/preference --query_dataset $DATASET_DIR/sft \
             --output_dir $OUT_DIR/dpo --lr 1e-4 --local_micro_batch_size 32 --gradient_accumulation_steps 1 \
@@ -233,7 +236,7 @@ else
             --gradient_accumulation_steps "$PPO_ACCUMULATION" \
             --local_rollout_forward_batch_size "$PPO_ROLLOUT_FORWARD_BATCH" \
             --local_eval_batch_size "$EVAL_BATCH" ${ppo_offload[@]+"${ppo_offload[@]}"}
-    run_stage "dpo.py" $OUT_DIR/dpo/model.safetensors \
+    [[ $DPO == 0 ]] || run_stage "dpo.py" $OUT_DIR/dpo/model.safetensors \
         run_training dpo dpo.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
             --label_dataset "$DATASET_DIR/preference" --query_dataset "$DATASET_DIR/sft" \
             --output_dir $OUT_DIR/dpo --local_micro_batch_size "$DPO_MICRO_BATCH" \

@@ -1,6 +1,7 @@
 """Tiny base models for the offline default: a byte-level BPE tokenizer trained on the synthetic
 TL;DR corpus and GPT-NeoX (Pythia architecture) models at a few sizes, each briefly pretrained as a
-causal LM on raw posts. Every model folder loads offline with plain `AutoTokenizer` /
+causal LM on raw posts with a budget that grows with its size (tokens proportional to parameters), so
+that a larger size is a better base model, as with Pythia. Every model folder loads offline with plain `AutoTokenizer` /
 `AutoModelForCausalLM`, no trust_remote_code.
 
 Like Pythia, `<|endoftext|>` is id 0 and is both BOS and EOS; unlike Pythia (whose pad token the
@@ -15,6 +16,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -47,8 +49,16 @@ class Args:
     """which of the sizes in SIZES to build"""
     vocab_size: int = 1024
     seed: int = 1
-    pretrain_steps: int = 150
-    """causal-LM steps on raw posts per model (0: random init)"""
+    pretrain_tokens_per_parameter: float = 1.5
+    """the pretraining budget of each size: this many tokens per parameter (Chinchilla-style budgets
+    grow with size; 20 would be compute-optimal, far beyond a CPU minute). With one budget for all,
+    the larger sizes were no better than tiny-m (README, "the scaling miniature")"""
+    pretrain_steps: Optional[int] = None
+    """the same number of causal-LM steps for every size instead (0: random init); None: the budget
+    of pretrain_tokens_per_parameter"""
+    heldout_corpus: Optional[str] = None
+    """posts the pretraining never sees, for each model's held-out loss in models.json; None:
+    `validation.jsonl` next to --corpus (skipped when there is none)"""
     pretrain_batch_size: int = 16
     pretrain_seq_len: int = 128
     pretrain_lr: float = 3e-3
@@ -101,15 +111,23 @@ def model_config(size: str, vocab_size: int, tokenizer: PreTrainedTokenizerFast)
     )
 
 
-def pretrain(model: GPTNeoXForCausalLM, token_stream: np.ndarray, args: Args, progress: Progress, name: str):
+def pretrain_steps(parameters: int, args: Args) -> int:
+    """Causal-LM steps of a model with `parameters` parameters (batches of batch_size x seq_len tokens)."""
+    if args.pretrain_steps is not None:
+        return args.pretrain_steps
+    return math.ceil(args.pretrain_tokens_per_parameter * parameters / (args.pretrain_batch_size * args.pretrain_seq_len))
+
+
+def pretrain(model: GPTNeoXForCausalLM, token_stream: np.ndarray, steps: int, args: Args, progress: Progress,
+             name: str):
     """Plain causal-LM training on random windows of the concatenated, EOS-separated posts."""
     generator = torch.Generator().manual_seed(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, eps=1e-5, weight_decay=0.01)
     stream = torch.from_numpy(token_stream)
-    task = progress.add_task(f"pretrain {name}", total=args.pretrain_steps)
+    task = progress.add_task(f"pretrain {name}", total=steps)
     model.train()
-    for step in range(args.pretrain_steps):
-        lr = args.pretrain_lr * 0.5 * (1 + math.cos(math.pi * step / args.pretrain_steps))
+    for step in range(steps):
+        lr = args.pretrain_lr * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, len(stream) - args.pretrain_seq_len, (args.pretrain_batch_size,), generator=generator)
@@ -121,6 +139,24 @@ def pretrain(model: GPTNeoXForCausalLM, token_stream: np.ndarray, args: Args, pr
         progress.update(task, advance=1, description=f"pretrain {name} loss {loss.item():.3f}")
     model.eval()
     return loss.item()
+
+
+def heldout_windows(path: str, tokenizer: PreTrainedTokenizerFast, seq_len: int, count: int = 64) -> torch.Tensor:
+    """The first `count` non-overlapping windows of `seq_len` tokens of the EOS-separated posts of
+    `path` (the same text form as the pretraining stream)."""
+    texts = [t for t in corpus_texts(path) if not t.startswith(" ")]
+    stream = [tok for seq in tokenizer(texts)["input_ids"] for tok in seq + [tokenizer.eos_token_id]]
+    windows = min(count, len(stream) // seq_len)
+    return torch.tensor(stream[: windows * seq_len]).view(windows, seq_len)
+
+
+@torch.no_grad()
+def heldout_loss(model: GPTNeoXForCausalLM, windows: torch.Tensor) -> float:
+    """Mean causal-LM loss per token on held-out windows: the base model's quality, comparable
+    across sizes (the last pretraining batch's loss is one noisy batch)."""
+    model.eval()
+    # windows of equal length: each chunk's mean loss weighs by its rows
+    return sum(model(input_ids=w, labels=w).loss.item() * len(w) for w in windows.split(16)) / len(windows)
 
 
 def build(args: Args) -> dict:
@@ -137,26 +173,34 @@ def build(args: Args) -> dict:
     ids = tokenizer([t for t in texts if not t.startswith(" ")])["input_ids"]
     token_stream = np.array([tok for seq in ids for tok in seq + [tokenizer.eos_token_id]], dtype=np.int64)
 
+    heldout_path = args.heldout_corpus or os.path.join(os.path.dirname(args.corpus), "validation.jsonl")
+    heldout = heldout_windows(heldout_path, tokenizer, args.pretrain_seq_len) if os.path.isfile(heldout_path) else None
+
     summary = {}
     with atomic_output_dir(args.output_dir) as tmp_dir, Progress() as progress:
         for size in args.sizes:
             name = f"pythia-tiny-{size}"
             torch.manual_seed(args.seed)
             model = GPTNeoXForCausalLM(model_config(size, vocab_size, tokenizer))
+            parameters = sum(p.numel() for p in model.parameters())
+            steps = pretrain_steps(parameters, args)
             start = time.time()
-            loss = pretrain(model, token_stream, args, progress, name) if args.pretrain_steps > 0 else None
+            loss = pretrain(model, token_stream, steps, args, progress, name) if steps > 0 else None
             folder = os.path.join(tmp_dir, name)
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
             summary[name] = {
-                "parameters": sum(p.numel() for p in model.parameters()),
+                "parameters": parameters,
+                "pretrain_steps": steps,
                 "final_pretrain_loss": None if loss is None else round(loss, 4),
+                "heldout_loss": None if heldout is None else round(heldout_loss(model, heldout), 4),
                 "seconds": round(time.time() - start, 1),
             }
         with open(os.path.join(tmp_dir, "models.json"), "w") as f:
             recipe = {k: v for k, v in vars(args).items() if k != "output_dir"}  # identical files wherever built
             json.dump({"args": recipe | {"sizes": list(args.sizes)}, "models": {
-                k: {"parameters": v["parameters"], "final_pretrain_loss": v["final_pretrain_loss"]}
+                k: {"parameters": v["parameters"], "pretrain_steps": v["pretrain_steps"],
+                    "final_pretrain_loss": v["final_pretrain_loss"], "heldout_loss": v["heldout_loss"]}
                 for k, v in summary.items()}}, f, indent=2, sort_keys=True)
     return summary
 
@@ -164,7 +208,8 @@ def build(args: Args) -> dict:
 def main(args: Args) -> None:
     summary = build(args)
     for name, info in summary.items():
-        print(f"{name}: {info['parameters']:,} parameters, pretrain loss {info['final_pretrain_loss']}, "
+        print(f"{name}: {info['parameters']:,} parameters, {info['pretrain_steps']} pretraining steps, "
+              f"last batch loss {info['final_pretrain_loss']}, held-out loss {info['heldout_loss']}, "
               f"{info['seconds']} s -> {os.path.join(args.output_dir, name)}")
 
 

@@ -190,3 +190,69 @@ def test_own_flags_reach_their_stages_last_and_name_separates_the_run(checkout):
     assert result.returncode == 0, result.stderr
     (dpo_call,) = stage_calls(calls, "dpo.py")
     assert dpo_call[-2:] == ["--beta", "0.1"] and dpo_call[0] == "accelerate"
+
+
+def test_dpo_0_leaves_dpo_out(checkout):
+    """DPO=0 (what scaling.sh passes): the other stages and the plots as usual, no dpo.py."""
+    result, calls = run(checkout, 0, DPO="0")
+    assert result.returncode == 0, result.stderr
+    assert not stage_calls(calls, "dpo.py") and len(stage_calls(calls, "ppo_left_padding.py")) == 1
+    assert len(stage_calls(calls, "eval/rlhf_scaling_plot.py")) == 1
+    result, _ = run(checkout, 0, DPO="no")
+    assert result.returncode == 2 and "DPO must be 0 or 1" in result.stderr
+
+
+# stands in for hello_world.sh in scaling.sh's tests: records the environment it was started with
+HELLO_WORLD_RECORDER = """#!/usr/bin/env python3
+import json, os, sys
+with open(os.environ["RECORD"], "a") as f:
+    f.write(json.dumps(["hello_world.sh", *sys.argv[1:], {k: os.environ.get(k) for k in ("NAME", "MODEL", "SEED", "DPO")}]) + "\\n")
+"""
+
+
+@pytest.fixture
+def scaling_checkout(tmp_path):
+    shutil.copy(os.path.join(ROOT, "scaling.sh"), tmp_path / "scaling.sh")
+    executable(tmp_path / "hello_world.sh", HELLO_WORLD_RECORDER)
+    executable(tmp_path / ".venv/bin/python", RECORDER)
+    for size in "sml":
+        (tmp_path / "models/tiny" / f"pythia-tiny-{size}").mkdir(parents=True)
+    return tmp_path
+
+
+def run_scaling(checkout, *flags, **env):
+    record = checkout / "record.jsonl"
+    record.unlink(missing_ok=True)
+    environment = {"PATH": "/usr/bin:/bin", "RECORD": str(record), "HOME": str(checkout), **env}
+    result = subprocess.run([BASH, "scaling.sh", *flags], cwd=checkout, env=environment, capture_output=True,
+                            text=True, timeout=60)
+    calls = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    return result, calls
+
+
+def test_scaling_runs_every_size_and_seed_through_hello_world_then_the_plots(scaling_checkout):
+    result, calls = run_scaling(scaling_checkout)
+    assert result.returncode == 0, result.stderr
+    assert calls[0] == ["hello_world.sh", "--data", {"NAME": None, "MODEL": None, "SEED": None, "DPO": None}]
+    runs = [c[-1] for c in calls[1:10]]
+    assert runs == [{"NAME": f"scaling_{size}_{seed}", "MODEL": f"models/tiny/pythia-tiny-{size}", "SEED": seed,
+                     "DPO": "0"} for size in "sml" for seed in "123"]
+    assert all(c[0] == "hello_world.sh" and len(c) == 2 for c in calls[1:10])  # no --force: finished stages are reused
+    # then the plots over all of them, and the table from the plots' tables
+    plots = calls[10:]
+    assert [c[1] for c in plots] == ["eval/sft_rm_scale.py", "eval/rlhf_scaling_plot.py", "eval/scaling_table.py"]
+    assert all(flag(c, "--run_glob") == "scaling_*" and flag(c, "--out") == "eval/images/scaling" for c in plots[:2])
+    assert flag(plots[1], "--judge") == "gold" and flag(plots[2], "--plots_dir") == "eval/images/scaling"
+
+
+def test_scaling_sizes_seeds_force_and_errors(scaling_checkout):
+    result, calls = run_scaling(scaling_checkout, "--force", SIZES="l m", SEEDS="7")
+    assert result.returncode == 0, result.stderr
+    assert [(c[1], c[-1]["NAME"]) for c in calls[1:3]] == [("--force", "scaling_l_7"), ("--force", "scaling_m_7")]
+    for env, message in (({"SEEDS": "1 x"}, "is not a seed"), ({"SIZES": "m ../x"}, "is not a tiny size name"),
+                         ({"SEEDS": " "}, "at least one size and one seed"), ({"SIZES": "xl"}, "no base model")):
+        result, calls = run_scaling(scaling_checkout, **env)
+        assert result.returncode == 2 and message in result.stderr, (env, result.stderr)
+        assert not [c for c in calls if c[0] == "hello_world.sh" and c[-1]["NAME"]]
+    result, _ = run_scaling(scaling_checkout, "--fast")
+    assert result.returncode == 2 and "usage" in result.stderr

@@ -30,7 +30,7 @@ BASH = os.environ.get("TEST_BASH", "bash")
 SBATCHES = ("sft.sbatch", "reward.sbatch", "ppo_left_padding.sbatch", "dpo.sbatch")
 # the scripts a user runs on a login or compute node. tests/slurm/test_sbatch_chain.sh is not one:
 # it runs as root on a Debian machine with its bash 5.
-SCRIPTS = ("hello_world.sh", "sbatches/common.sh", *(f"sbatches/{name}" for name in SBATCHES))
+SCRIPTS = ("hello_world.sh", "scaling.sh", "sbatches/common.sh", *(f"sbatches/{name}" for name in SBATCHES))
 
 # --- the static check ------------------------------------------------------------------------------
 GUARDED = re.compile(r'\$\{(\w+)\[([@*])\]\+"\$\{\1\[\2\]\}"\}')  # ${a[@]+"${a[@]}"}

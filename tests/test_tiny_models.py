@@ -83,3 +83,37 @@ def test_unknown_size_is_rejected(raw_dir, tmp_path):
     with pytest.raises(ValueError, match="unknown sizes"):
         tiny_models.build(tiny_models.Args(corpus=os.path.join(raw_dir, "tldr_sft", "train.jsonl"),
                                            output_dir=str(tmp_path / "x"), sizes=["xl"]))
+
+
+def test_pretraining_budget_grows_with_size(raw_dir, tmp_path):
+    """Tokens proportional to parameters (README, the scaling miniature): steps = ceil(tokens per
+    parameter x parameters / (batch x sequence length)); pretrain_steps overrides it for every size."""
+    args = tiny_models.Args()
+    assert tiny_models.pretrain_steps(231_168, args) == 170  # 1.5 x 231168 / (16 x 128) = 169.3
+    assert tiny_models.pretrain_steps(1_728_192, args) == 1266
+    assert tiny_models.pretrain_steps(1_728_192, tiny_models.Args(pretrain_steps=7)) == 7
+    args = tiny_models.Args(corpus=os.path.join(raw_dir, "tldr_sft", "train.jsonl"), output_dir=str(tmp_path / "x"),
+                            sizes=["s", "m"], pretrain_tokens_per_parameter=0.02)
+    summary = tiny_models.build(args)
+    steps = {name: info["pretrain_steps"] for name, info in summary.items()}
+    assert steps == {"pythia-tiny-s": 3, "pythia-tiny-m": 7}  # 0.02 x 231168 / 2048 = 2.3, 0.02 x 658944 / 2048 = 6.4
+    with open(tmp_path / "x" / "models.json") as f:
+        recorded = json.load(f)
+    assert {name: m["pretrain_steps"] for name, m in recorded["models"].items()} == steps
+    assert recorded["args"]["pretrain_tokens_per_parameter"] == 0.02
+    # the held-out loss on the validation posts next to the corpus: one number per size
+    assert all(0 < m["heldout_loss"] < 10 for m in recorded["models"].values())
+
+
+def test_heldout_loss_is_the_mean_over_windows(raw_dir, tokenizer_dir, models_dir):
+    """Windows of the validation posts (never pretrained on), weighted equally across chunks of 16."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    windows = tiny_models.heldout_windows(os.path.join(raw_dir, "tldr_sft", "validation.jsonl"), tokenizer, 32, count=20)
+    assert windows.shape == (20, 32)
+    with open(os.path.join(raw_dir, "tldr_sft", "validation.jsonl")) as f:
+        first = json.loads(f.readline())
+    assert windows[0].tolist() == tokenizer(f"{first['title']}\n\n{first['post']}")["input_ids"][:32]
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(models_dir, "pythia-tiny-s"))
+    with torch.no_grad():
+        each = [model(input_ids=w[None], labels=w[None]).loss.item() for w in windows]
+    assert tiny_models.heldout_loss(model, windows) == pytest.approx(sum(each) / 20, rel=1e-5)
