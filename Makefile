@@ -30,7 +30,7 @@ clean:
 	rm -rf $(VENV) data models runs
 
 # Opt-in, not part of `make test`: the embedded default over tiny-s, -m, -l x seeds 1 2 3 (SFT, reward
-# model, PPO; about an hour on a 2-core CPU), then the scaling plots and the results table in
+# model, PPO; 66 min on a 2-core CPU), then the scaling plots and the results table in
 # eval/images/scaling/. Finished runs are reused; SIZES / SEEDS choose others (scaling.sh).
 .PHONY: scaling
 scaling: install
