@@ -38,12 +38,15 @@ if (( ${#sizes[@]} == 0 || ${#seeds[@]} == 0 )); then
 fi
 
 ./hello_world.sh --data
+for size in ${sizes[@]+"${sizes[@]}"}; do
+    [[ -d models/tiny/pythia-tiny-$size ]] ||
+        { echo "no base model models/tiny/pythia-tiny-$size (the tiny sizes are those of tiny_models.SIZES)" >&2; exit 2; }
+done
 start=$SECONDS
 total=$((${#sizes[@]} * ${#seeds[@]}))
 done_runs=0
 for size in ${sizes[@]+"${sizes[@]}"}; do
     model=models/tiny/pythia-tiny-$size
-    [[ -d $model ]] || { echo "no base model $model (the tiny sizes are those of tiny_models.SIZES)" >&2; exit 2; }
     for seed in ${seeds[@]+"${seeds[@]}"}; do
         echo "=== scaling: tiny-$size seed $seed ($((done_runs + 1)) of $total, $((SECONDS - start)) s so far)"
         NAME=scaling_${size}_$seed MODEL=$model SEED=$seed DPO=0 ./hello_world.sh ${force[@]+"${force[@]}"}

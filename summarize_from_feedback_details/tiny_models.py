@@ -1,8 +1,8 @@
 """Tiny base models for the offline default: a byte-level BPE tokenizer trained on the synthetic
 TL;DR corpus and GPT-NeoX (Pythia architecture) models at a few sizes, each briefly pretrained as a
-causal LM on raw posts with a budget that grows with its size (tokens proportional to parameters), so
-that a larger size is a better base model, as with Pythia. Every model folder loads offline with plain `AutoTokenizer` /
-`AutoModelForCausalLM`, no trust_remote_code.
+causal LM on raw posts with a budget that grows with its size (tokens proportional to parameters),
+so that a larger size is a better base model, as with Pythia. Every model folder loads offline with
+plain `AutoTokenizer` / `AutoModelForCausalLM`, no trust_remote_code.
 
 Like Pythia, `<|endoftext|>` is id 0 and is both BOS and EOS; unlike Pythia (whose pad token the
 stage scripts add as `[PAD]`), the tokenizer ships a dedicated `[PAD]` token, never equal to EOS.
@@ -141,13 +141,19 @@ def pretrain(model: GPTNeoXForCausalLM, token_stream: np.ndarray, steps: int, ar
     return loss.item()
 
 
+def post_stream(texts: list, tokenizer: PreTrainedTokenizerFast) -> np.ndarray:
+    """The posts of `corpus_texts` (not the summaries, which start with a space) tokenized and
+    concatenated, each followed by EOS: the text pretraining sees."""
+    ids = tokenizer([t for t in texts if not t.startswith(" ")])["input_ids"]
+    return np.array([tok for seq in ids for tok in seq + [tokenizer.eos_token_id]], dtype=np.int64)
+
+
 def heldout_windows(path: str, tokenizer: PreTrainedTokenizerFast, seq_len: int, count: int = 64) -> torch.Tensor:
     """The first `count` non-overlapping windows of `seq_len` tokens of the EOS-separated posts of
     `path` (the same text form as the pretraining stream)."""
-    texts = [t for t in corpus_texts(path) if not t.startswith(" ")]
-    stream = [tok for seq in tokenizer(texts)["input_ids"] for tok in seq + [tokenizer.eos_token_id]]
+    stream = post_stream(corpus_texts(path), tokenizer)
     windows = min(count, len(stream) // seq_len)
-    return torch.tensor(stream[: windows * seq_len]).view(windows, seq_len)
+    return torch.from_numpy(stream[: windows * seq_len]).view(windows, seq_len)
 
 
 @torch.no_grad()
@@ -170,8 +176,7 @@ def build(args: Args) -> dict:
     tokenizer = train_tokenizer(texts, args.vocab_size)
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
     vocab_size = len(tokenizer)
-    ids = tokenizer([t for t in texts if not t.startswith(" ")])["input_ids"]
-    token_stream = np.array([tok for seq in ids for tok in seq + [tokenizer.eos_token_id]], dtype=np.int64)
+    token_stream = post_stream(texts, tokenizer)
 
     heldout_path = args.heldout_corpus or os.path.join(os.path.dirname(args.corpus), "validation.jsonl")
     heldout = heldout_windows(heldout_path, tokenizer, args.pretrain_seq_len) if os.path.isfile(heldout_path) else None

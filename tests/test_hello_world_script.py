@@ -256,3 +256,9 @@ def test_scaling_sizes_seeds_force_and_errors(scaling_checkout):
         assert not [c for c in calls if c[0] == "hello_world.sh" and c[-1]["NAME"]]
     result, _ = run_scaling(scaling_checkout, "--fast")
     assert result.returncode == 2 and "usage" in result.stderr
+
+
+def test_scaling_checks_every_size_before_training_any(scaling_checkout):
+    result, calls = run_scaling(scaling_checkout, SIZES="s xl")
+    assert result.returncode == 2 and "no base model models/tiny/pythia-tiny-xl" in result.stderr
+    assert [c[1] for c in calls] == ["--data"]  # tiny-s was not trained first
