@@ -84,7 +84,9 @@ import importlib
 import json
 import math
 import os
+import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -449,10 +451,18 @@ def cli_flags(stage: ppo.Args) -> list:
     return flags
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now: the launched run's rendezvous port (torchrun's default 29500
+    is taken whenever another run, a second sweep or a test, is up on this machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch_command(setting: Setting, device: str) -> list:
     """`accelerate launch` for the multi-process strategies: gloo DDP or DeepSpeed ZeRO-2."""
     launcher = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch",
-                "--num_processes", str(setting.num_processes)]
+                "--num_processes", str(setting.num_processes), "--main_process_port", str(free_port())]
     if setting.strategy == "ddp":
         return launcher + ["--multi_gpu"] + (["--mixed_precision", "bf16"] if device == "cuda" else [])
     config = (os.path.join(REPO, "deepspeed.yaml") if device == "cuda"
@@ -538,7 +548,10 @@ def run_ours_launched(stage: ppo.Args, setting: Setting, workdir: str, device: s
     result = subprocess.run(launch_command(setting, device) + [STAGE_SCRIPT, *cli_flags(stage)], cwd=workdir,
                             env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"exit status {result.returncode}: {(result.stdout + result.stderr)[-2000:]}")
+        log = os.path.join(workdir, f"{stage.run_name}.log")
+        with open(log, "w") as f:
+            f.write(result.stdout + result.stderr)
+        raise RuntimeError(f"exit status {result.returncode}: {launched_failure(result.stderr)} (whole output: {log})")
 
 
 def read_metrics(workdir: str, run_name: str) -> list:
@@ -644,12 +657,24 @@ def check_setting(args: Args, setting: Setting) -> Optional[str]:
     return None
 
 
+# the last line of a Python traceback: "ValueError: ...", "torch.OutOfMemoryError: ..."
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*$")
+# what the launcher (torchrun's agent) raises about its ranks, not what went wrong in them
+LAUNCHER_ERRORS = ("ChildFailedError", "CalledProcessError", "SignalException")
+
+
+def launched_failure(stderr: str) -> str:
+    """What a rank of a launched run died of: the last exception line of the ranks' tracebacks, not
+    the launcher's ChildFailedError summary that follows them; else the launcher's last line."""
+    lines = [line.rstrip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if EXCEPTION_LINE.match(line) and not any(e in line for e in LAUNCHER_ERRORS)]
+    return (errors or lines or ["no output"])[-1]
+
+
 def failure_reason(error: Exception) -> str:
-    """The line of a failure that says what went wrong (a launched run's error comes last but one or
-    two lines before the launcher's own traceback), for the table's status column."""
+    """A failure's first line, for the table's status column."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line and "CalledProcessError" not in line]
-    return (errors or lines or [type(error).__name__])[-1][:200]
+    return (lines or [type(error).__name__])[0][:300]
 
 
 def run_speed(args: Args, device: str, console: Console) -> list:

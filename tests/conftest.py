@@ -2,6 +2,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -97,9 +98,18 @@ def assert_throughput(lines: list, tokens_per_update: int) -> None:
         assert m["throughput/tokens_per_second"] == pytest.approx(tokens_per_update / m["time/update"], rel=1e-9)
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launched run's rendezvous (torchrun's default 29500 is
+    taken while any other run is up on this machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def accelerate_launcher(num_processes: int, config: str = None) -> list:
     """`accelerate launch` with a DeepSpeed config file, or DDP over gloo on CPU processes."""
-    base = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch"]
+    base = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch",
+            "--main_process_port", str(free_port())]
     if config:
         return base + ["--config_file", config, "--num_processes", str(num_processes)]
     return base + ["--multi_gpu", "--num_processes", str(num_processes)]

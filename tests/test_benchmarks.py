@@ -8,6 +8,7 @@ import importlib.util
 import io
 import math
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -70,7 +71,7 @@ def test_speed_csv_rows_and_columns(smoke):
         ("single", "1", "4", "full"), ("single", "1", "4", "lora"),
         ("ddp", "2", "2", "full"), ("ddp", "2", "2", "lora")]
     for row in rows:
-        assert row["status"] == "ok", row["status"]
+        assert row["status"] == "ok", stdout
         assert SPEED_COLUMNS | {f"time/{p}" for p in STAGE_PHASES} <= set(row), set(row) ^ SPEED_COLUMNS
         assert row["shape"] == "tiny-s" and int(row["params"]) == 231168 and row["device"] == "cpu"
         assert int(row["updates_measured"]) == 1  # 2 updates, the first is warm-up
@@ -169,3 +170,39 @@ def test_synthetic_queries_and_tokenizer():
     tokenizer = ppo_speed.synthetic_tokenizer(100)
     assert len(tokenizer) == 100 and tokenizer.eos_token_id == 0 and tokenizer.pad_token_id == 1
     assert tokenizer.decode([5, 99, 0]) == "t5 t99 <|endoftext|>"
+
+
+# the shape of a launched run's stderr when a rank raises: its traceback, then the launcher's own
+RANK_FAILED_STDERR = """Traceback (most recent call last):
+  File "ppo_left_padding.py", line 3, in <module>
+    raise ValueError("boom on rank 1")
+ValueError: boom on rank 1
+E1123 17:58:53.657000 17734 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1
+Traceback (most recent call last):
+  File ".venv/bin/accelerate", line 6, in <module>
+    sys.exit(main())
+  File "torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+Root Cause (first observed failure):
+  rank      : 1 (local_rank: 1)
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_launched_failure_names_the_ranks_error():
+    assert ppo_speed.launched_failure(RANK_FAILED_STDERR) == "ValueError: boom on rank 1"
+    assert ppo_speed.launched_failure("Killed\n") == "Killed"
+    error = RuntimeError("exit status 1: ValueError: boom (whole output: work/x.log)\nmore")
+    assert ppo_speed.failure_reason(error) == "exit status 1: ValueError: boom (whole output: work/x.log)"
+
+
+def test_launched_runs_get_a_free_rendezvous_port():
+    setting = ppo_speed.Setting(shape="tiny-s", strategy="ddp", num_processes=2, micro_batch_size=2, threads=1,
+                                variant="full")
+    command = ppo_speed.launch_command(setting, "cpu")
+    port = int(command[command.index("--main_process_port") + 1])
+    with socket.socket() as probe:  # nothing listens there: it can be bound
+        probe.bind(("127.0.0.1", port))
