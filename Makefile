@@ -31,7 +31,8 @@ clean:
 
 # Opt-in, not part of `make test`: the embedded default over tiny-s, -m, -l x seeds 1 2 3 (SFT, reward
 # model, PPO; 66 min on a 2-core CPU), then the scaling plots and the results table in
-# eval/images/scaling/. Finished runs are reused; SIZES / SEEDS choose others (scaling.sh).
+# eval/images/scaling/. Finished runs are reused; SIZES / SEEDS choose others. Where a Slurm cluster
+# answers, it submits the sbatches/ chain with TINY=1 instead (SLURM=0: run here; scaling.sh).
 .PHONY: scaling
 scaling: install
 	./scaling.sh
@@ -39,12 +40,14 @@ scaling: install
 # Opt-in, not part of `make test`: the sbatches/ chain (TINY=1) and a PPO task stopped twice,
 # requeued and resumed, on a throwaway one-node Slurm cluster started on this machine; then one task
 # over two nodes (two slurmd in network namespaces on a bridge) stopped, requeued and resumed,
-# against one node with two processes (test-slurm-nodes alone). Needs root: installs slurm + munge
+# against one node with two processes (test-slurm-nodes alone); then scaling.sh on Slurm against
+# scaling.sh without it, model for model. Needs root: installs slurm + munge
 # from Debian if missing; creates and removes network namespaces, veth pairs and a bridge.
 .PHONY: test-slurm test-slurm-nodes
 test-slurm: install
 	tests/slurm/test_sbatch_chain.sh
 	tests/slurm/test_two_nodes.sh
+	tests/slurm/test_scaling.sh
 
 test-slurm-nodes: install
 	tests/slurm/test_two_nodes.sh

@@ -9,7 +9,8 @@
 #   OUTPUT_ROOT  models go to OUTPUT_ROOT/models/<model basename>/{sft,reward_model,ppo,dpo}_<seed>,
 #                run folders to OUTPUT_ROOT/runs/ (the jobs run there)   default: the repository
 #   TINY=1       the embedded default on CPU: tiny models, local synthetic data (built by
-#                ./hello_world.sh --data), small episode counts, one process (per node)
+#                ./hello_world.sh --data) and hello_world.sh's stage settings (its two SFT runs
+#                included), one process (per node); scaling.sh submits this chain
 #   TRACK=1      log every stage to wandb as well (--track, runs tagged sbatch,<commit> unless
 #                WANDB_TAGS is set; WANDB_MODE=offline keeps them local). Off by default, so a
 #                cluster without a wandb login or network runs as it is
@@ -132,6 +133,10 @@ BASE_MODEL=$MODEL                                  # a hub name, or a path relat
 OUTPUT_ROOT=$(realpath -m "${OUTPUT_ROOT:-$REPO}")
 MODEL_DIR=$OUTPUT_ROOT/models/$(basename "$MODEL")
 SFT_DIR=$MODEL_DIR/sft_$SEED
+# the reward model's backbone: the SFT model (the paper); TINY=1 trains a second SFT for it, with the
+# loss over every token, as hello_world.sh does (sft.sbatch)
+RM_BACKBONE_DIR=$SFT_DIR
+[[ $TINY != 1 ]] || RM_BACKBONE_DIR=$MODEL_DIR/sft_all_tokens_$SEED
 RM_DIR=$MODEL_DIR/reward_model_$SEED
 PPO_DIR=$MODEL_DIR/ppo_$SEED
 DPO_DIR=$MODEL_DIR/dpo_$SEED
@@ -242,8 +247,8 @@ newest_checkpoint() {
 
 # launch SCRIPT ARGS...: runs a stage script of the repository from OUTPUT_ROOT (runs/ lands there),
 # in the background so that the traps run while it does; --checkpoint_every first (the stage's
-# own flags may override it), --resume last when it continues a checkpoint. Exits with the stage's
-# status, after requeueing the task when SIGUSR1 stopped it.
+# own flags may override it), --resume last when it continues a checkpoint. Returns when the stage
+# finished; otherwise exits with the stage's status, after requeueing the task when SIGUSR1 stopped it.
 launch() {
     local name=$1 script=$REPO/summarize_from_feedback_details/$1 stage out="" prev="" arg
     shift
@@ -311,7 +316,7 @@ launch() {
             echo "== the stage finished: deleting its checkpoints in $out/checkpoints"
             rm -rf "$out/checkpoints"
         fi
-        exit 0
+        return 0
     fi
     echo "== the stage exited with status $rc at $(date -Is)"
     [[ $stop_signal == USR1 && $terminated == 0 ]] && requeue "$out"

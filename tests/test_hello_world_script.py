@@ -223,7 +223,9 @@ def scaling_checkout(tmp_path):
 def run_scaling(checkout, *flags, **env):
     record = checkout / "record.jsonl"
     record.unlink(missing_ok=True)
-    environment = {"PATH": "/usr/bin:/bin", "RECORD": str(record), "HOME": str(checkout), **env}
+    # SLURM=0 unless a test says otherwise: a machine where sinfo answers must not submit jobs
+    environment = {"PATH": f"{checkout / 'bin'}:/usr/bin:/bin", "RECORD": str(record), "HOME": str(checkout),
+                   "SLURM": "0", **env}
     result = subprocess.run([BASH, "scaling.sh", *flags], cwd=checkout, env=environment, capture_output=True,
                             text=True, timeout=60)
     calls = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
@@ -241,7 +243,8 @@ def test_scaling_runs_every_size_and_seed_through_hello_world_then_the_plots(sca
     # then the plots over all of them, and the table from the plots' tables
     plots = calls[10:]
     assert [c[1] for c in plots] == ["eval/sft_rm_scale.py", "eval/rlhf_scaling_plot.py", "eval/scaling_table.py"]
-    assert all(flag(c, "--run_glob") == "scaling_*" and flag(c, "--out") == "eval/images/scaling" for c in plots[:2])
+    assert all(flag(c, "--run_glob") == "scaling_*" and flag(c, "--out") == "eval/images/scaling" and
+               flag(c, "--runs_dir") == "runs" for c in plots[:2])
     assert flag(plots[1], "--judge") == "gold" and flag(plots[2], "--plots_dir") == "eval/images/scaling"
 
 
@@ -262,3 +265,113 @@ def test_scaling_checks_every_size_before_training_any(scaling_checkout):
     result, calls = run_scaling(scaling_checkout, SIZES="s xl")
     assert result.returncode == 2 and "no base model models/tiny/pythia-tiny-xl" in result.stderr
     assert [c[1] for c in calls] == ["--data"]  # tiny-s was not trained first
+
+
+# stand-ins for Slurm's commands in scaling.sh's tests. sbatch records its arguments and the
+# environment the job would get, prints a new job id, and "runs" a PPO job at once: the PPO model of
+# every seed of its grid (SEEDS) but those in FAIL_SEEDS; squeue lists the submitted jobs' tasks the
+# first SQUEUE_ROUNDS times it is asked, then nothing (all finished); sinfo answers unless NO_CLUSTER.
+FAKE_SBATCH = """#!/usr/bin/env python3
+import json, os, sys
+keys = ("MODELS", "SEEDS", "SBATCH_ARRAY_INX", "TINY", "SBATCH_GPUS_PER_TASK", "RESUME", "OUTPUT_ROOT")
+with open(os.environ["RECORD"], "a") as f:
+    f.write(json.dumps(["sbatch", *sys.argv[1:], {k: os.environ.get(k) for k in keys}]) + "\\n")
+with open(os.environ["RECORD"] + ".jobs", "a") as f:
+    f.write("x\\n")
+with open(os.environ["RECORD"] + ".jobs") as f:
+    job = 100 + len(f.read().split())
+if sys.argv[-1].endswith("ppo_left_padding.sbatch"):
+    for seed in os.environ["SEEDS"].split():
+        if seed in os.environ.get("FAIL_SEEDS", "").split():
+            continue
+        size = os.path.basename(os.environ["MODELS"])
+        out = os.path.join(os.environ["OUTPUT_ROOT"], "models", size, f"ppo_{seed}")
+        os.makedirs(out, exist_ok=True)
+        open(os.path.join(out, "model.safetensors"), "w").close()
+print(f"{job};cluster")
+"""
+FAKE_SQUEUE = """#!/usr/bin/env python3
+import os
+path = os.environ["RECORD"] + ".squeue"
+rounds = len(open(path).read().split()) if os.path.exists(path) else 0
+with open(path, "a") as f:
+    f.write("x\\n")
+if rounds < int(os.environ.get("SQUEUE_ROUNDS", "2")):
+    print("101 sft 0 COMPLETED")
+    print("102 reward 0 RUNNING")
+    print("102 reward 1 PENDING")
+    print("999 someone_else 0 RUNNING")
+"""
+FAKE_SINFO = """#!/bin/sh
+[ -z "$NO_CLUSTER" ]
+"""
+
+
+@pytest.fixture
+def slurm_checkout(scaling_checkout):
+    executable(scaling_checkout / "bin/sbatch", FAKE_SBATCH)
+    executable(scaling_checkout / "bin/squeue", FAKE_SQUEUE)
+    executable(scaling_checkout / "bin/sinfo", FAKE_SINFO)
+    return scaling_checkout
+
+
+def submissions(calls):
+    return [c for c in calls if c[0] == "sbatch"]
+
+
+def test_scaling_submits_the_tiny_chain_where_slurm_answers(slurm_checkout):
+    result, calls = run_scaling(slurm_checkout, SLURM="auto", SIZES="s m", SEEDS="1 2", POLL_SECONDS="0")
+    assert result.returncode == 0, result.stderr
+    assert calls[0][:2] == ["hello_world.sh", "--data"]
+    assert not [c for c in calls[1:] if c[0] == "hello_world.sh"]  # nothing trained here
+    jobs = submissions(calls)
+    # per size: sft -> reward -> ppo (afterany, as the README's chain), one array task per seed
+    assert [(c[-2], [a for a in c[1:-2] if a.startswith("--dependency")]) for c in jobs] == [
+        ("sbatches/sft.sbatch", []), ("sbatches/reward.sbatch", ["--dependency=afterany:101"]),
+        ("sbatches/ppo_left_padding.sbatch", ["--dependency=afterany:102"]),
+        ("sbatches/sft.sbatch", []), ("sbatches/reward.sbatch", ["--dependency=afterany:104"]),
+        ("sbatches/ppo_left_padding.sbatch", ["--dependency=afterany:105"])]
+    assert all("--parsable" in c and "sbatches/dpo.sbatch" not in c for c in jobs)
+    for c, size in zip(jobs, "sssmmm"):
+        assert c[-1] == {"MODELS": f"models/tiny/pythia-tiny-{size}", "SEEDS": "1 2", "SBATCH_ARRAY_INX": "0-1",
+                         "TINY": "1", "SBATCH_GPUS_PER_TASK": "0", "RESUME": "1", "OUTPUT_ROOT": "slurm/scaling"}
+    # it waited while its tasks were queued or running (not the other user's), then drew the plots
+    assert "reward pending: 1, reward running: 1, sft completed: 1" in result.stdout
+    assert "someone_else" not in result.stdout
+    assert len((slurm_checkout / "record.jsonl.squeue").read_text().split()) == 3
+    plots = [c for c in calls if len(c) > 1 and str(c[1]).startswith("eval/")]
+    assert [c[1] for c in plots] == ["eval/sft_rm_scale.py", "eval/rlhf_scaling_plot.py", "eval/scaling_table.py"]
+    assert all(flag(c, "--runs_dir") == "slurm/scaling/runs" and "--run_glob" not in c for c in plots[:2])
+
+
+def test_scaling_on_slurm_reuses_finished_runs_and_reports_failures(slurm_checkout):
+    done = slurm_checkout / "slurm/scaling/models/pythia-tiny-m/ppo_2"
+    done.mkdir(parents=True)
+    (done / "model.safetensors").write_text("")
+    result, calls = run_scaling(slurm_checkout, SLURM="1", SIZES="m l", SEEDS="1 2", POLL_SECONDS="0",
+                                FAIL_SEEDS="1", SQUEUE_ROUNDS="0")
+    assert result.returncode == 1
+    jobs = submissions(calls)
+    assert [(c[-1]["MODELS"][-1], c[-1]["SEEDS"], c[-1]["SBATCH_ARRAY_INX"]) for c in jobs[::3]] == [
+        ("m", "1", "0-0"), ("l", "1 2", "0-1")]
+    assert "tiny-m seed 2 finished before" in result.stdout
+    # tiny-m seed 1 is array task 0 of the first chain, tiny-l seed 1 task 0 of the second
+    assert ("tiny-m seed 1 saved no PPO model; its logs: slurm/logs/sft_101_0.out, slurm/logs/reward_102_0.out, "
+            "slurm/logs/ppo_left_padding_103_0.out") in result.stderr
+    assert "tiny-l seed 1 saved no PPO model" in result.stderr and "tiny-l seed 2" not in result.stderr
+    assert "2 of 3 submitted runs failed" in result.stderr
+    assert not [c for c in calls if len(c) > 1 and str(c[1]).startswith("eval/")]  # no plots of a partial sweep
+    # --force: everything again, its checkpoints deleted (RESUME=0)
+    result, calls = run_scaling(slurm_checkout, "--force", SLURM="1", SIZES="m", SEEDS="2", POLL_SECONDS="0")
+    assert result.returncode == 0, result.stderr
+    assert [c[-1]["SEEDS"] + c[-1]["RESUME"] for c in submissions(calls)] == ["20", "20", "20"]
+
+
+def test_scaling_where_slurm_does_not_answer(slurm_checkout):
+    result, calls = run_scaling(slurm_checkout, SLURM="auto", NO_CLUSTER="1", SIZES="s", SEEDS="1")
+    assert result.returncode == 0, result.stderr
+    assert not submissions(calls) and [c[-1]["NAME"] for c in calls if c[0] == "hello_world.sh"] == [None, "scaling_s_1"]
+    result, calls = run_scaling(slurm_checkout, SLURM="1", NO_CLUSTER="1")
+    assert result.returncode == 2 and "no Slurm cluster answers sinfo" in result.stderr and not calls
+    result, calls = run_scaling(slurm_checkout, SLURM="yes")
+    assert result.returncode == 2 and "SLURM must be auto, 0 or 1" in result.stderr and not calls

@@ -48,6 +48,9 @@ log "building the tiny data (./hello_world.sh --data)"
     { tail -n 30 "$WORK/hello_world_data.log"; die "./hello_world.sh --data"; }
 
 export TINY=1 OUTPUT_ROOT=$WORK/out SBATCH_GPUS_PER_TASK=0
+# TINY=1 runs hello_world.sh's settings (minutes per stage); a few hundred examples per stage here
+export SFT_FLAGS="--total_episodes 512" REWARD_FLAGS="--total_episodes 512" PPO_FLAGS="--total_episodes 128"
+export DPO_FLAGS="--total_episodes 256"
 
 # The guard first: an array that does not cover MODELS x SEEDS exactly fails at once, saying why.
 guard=$(SBATCH_ARRAY_INX=0-$NTASKS timeout 300 sbatch --parsable --wait sbatches/sft.sbatch 2>/dev/null) ||
@@ -97,7 +100,7 @@ for id in "${JOBS[@]}"; do
 done
 for m in "${_models[@]}"; do
     for s in "${_seeds[@]}"; do
-        for stage in sft reward_model ppo dpo; do
+        for stage in sft_all_tokens sft reward_model ppo dpo; do
             f=$OUTPUT_ROOT/models/$(basename "$m")/${stage}_$s/model.safetensors
             if [[ -s $f ]]; then log "ok: ${f#"$WORK"/}"; else echo "missing: $f" >&2; fail=1; fi
             # a stage that finished deletes its checkpoints (TINY=1 takes one every few updates)

@@ -34,13 +34,15 @@ log "building the tiny data (./hello_world.sh --data)"
 ./hello_world.sh --data >"$WORK/hello_world_data.log" 2>&1 ||
     { tail -n 30 "$WORK/hello_world_data.log"; die "./hello_world.sh --data"; }
 
-# 32 updates of 32 examples, 16 per node; a checkpoint every 4 updates (TINY's default for SFT)
+# 32 updates of 32 examples, 16 per node; a checkpoint every 4 updates (TINY's default for SFT).
+# TINY=1's sft.sbatch trains two models one after the other (the reward model's all-tokens backbone,
+# then the policy): the stop comes during the first, and the comparison is of the first.
 export TINY=1 OUTPUT_ROOT=$WORK/out SBATCH_GPUS_PER_TASK=0 MODELS=models/tiny/pythia-tiny-s SEEDS=1
 export SBATCH_ARRAY_INX=0 NODES=2 SFT_FLAGS="--total_episodes 1024" GLOO_SOCKET_IFNAME=$CLUSTER_IFNAME
 job=$(sbatch --parsable --nodes=2 sbatches/sft.sbatch)
 task=${job}_0
 job_log=slurm/logs/sft_${job}_0.out
-ckpt_dir=$OUTPUT_ROOT/models/pythia-tiny-s/sft_1/checkpoints
+ckpt_dir=$OUTPUT_ROOT/models/pythia-tiny-s/sft_all_tokens_1/checkpoints
 log "submitted sft $task on 2 nodes (NODES=2, sbatch --nodes=2), GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME"
 state() { scontrol -o show job "$task" | job_field JobState; }
 
@@ -97,13 +99,14 @@ print(f"[test-slurm-nodes] stopped by SIGUSR1 with a checkpoint of update {saved
 assert len(saved) == 1 and resumed == saved, (saved, resumed)
 assert re.search(r"requeueing job \d+ \(\d+_0\): its rerun resumes from \S+update-0*%d\b" % saved[0], text)
 launches = re.findall(r"^\+ srun .*$", text, re.M)
-assert [line.endswith(" --resume") for line in launches] == [False, True], launches
+# the backbone, its resumed rerun, then the policy's SFT
+assert [line.endswith(" --resume") for line in launches] == [False, True, False], launches
 EOF
 fi
 
 # one node, two processes: the same stage and arguments on this machine (root namespace)
 read -r -a args <<<"${launch#*summarize_from_feedback_details/sft.py }"
-ref_out=$WORK/ref/sft_1
+ref_out=$WORK/ref/sft_all_tokens_1
 for ((i = 0; i < ${#args[@]}; i++)); do
     [[ ${args[i]} != --output_dir ]] || args[i + 1]=$ref_out
     [[ ${args[i]} != --resume ]] || unset 'args[i]'
@@ -117,15 +120,19 @@ log "the same on one node with two processes: accelerate launch --multi_gpu --nu
     "$OLDPWD/summarize_from_feedback_details/sft.py" "${args[@]}") >"$WORK/ref.log" 2>&1 ||
     { tail -n 40 "$WORK/ref.log"; die "the one-node run failed"; }
 
-"$PY" - "$OUTPUT_ROOT" "$WORK/ref" "$OUTPUT_ROOT/models/pythia-tiny-s/sft_1" "$ref_out" <<'EOF' ||
+"$PY" - "$OUTPUT_ROOT" "$WORK/ref" "$OUTPUT_ROOT/models/pythia-tiny-s/sft_all_tokens_1" "$ref_out" <<'EOF' ||
 import glob, json, math, os, sys
 import torch
 from safetensors.torch import load_file
 two_nodes, one_node, model_two, model_one = sys.argv[1:]
 
 def metrics(root):
-    (run,) = glob.glob(os.path.join(root, "runs", "*", "metrics.jsonl"))
-    with open(run) as f:
+    """the metrics of the backbone SFT run (exp_name sft_all_tokens) under root/runs/"""
+    def exp_name(run):
+        with open(os.path.join(run, "args.json")) as f:
+            return json.load(f)["exp_name"]
+    (run,) = [r for r in glob.glob(os.path.join(root, "runs", "*")) if exp_name(r) == "sft_all_tokens"]
+    with open(os.path.join(run, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 a, b = metrics(two_nodes), metrics(one_node)
@@ -151,5 +158,5 @@ EOF
 [[ ${KEEP:-0} == 1 ]] || rm -f "$job_log"
 stopped=""
 [[ $STOP != 1 ]] || stopped=", stopped by SIGUSR1 (srun -> both launchers -> ranks), requeued and resumed,"
-log "PASS: sft on 2 nodes x 1 CPU process (srun, machine ranks 0/1, gloo over veth)$stopped equals 1 node x 2" \
+log "PASS: sft (the backbone) on 2 nodes x 1 CPU process (srun, machine ranks 0/1, gloo over veth)$stopped equals 1 node x 2" \
     "processes, in $((SECONDS - START)) s"
