@@ -85,6 +85,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -540,18 +541,47 @@ def run_ours_in_process(stage: ppo.Args, workdir: str, device: str, threads: int
     return times
 
 
-def run_ours_launched(stage: ppo.Args, setting: Setting, workdir: str, device: str) -> None:
+def run_ours_launched(stage: ppo.Args, setting: Setting, workdir: str, device: str, updates: int,
+                      console: Console) -> None:
+    """The stage under `accelerate launch`. A rank that a signal killed after the run logged all its
+    updates (seen twice in CI: "terminate called without an active exception", SIGABRT, as a gloo
+    rank exits) leaves a complete measurement but a failed launch: that run is started once more."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS=str(setting.threads))
     if setting.strategy == "ddp" and device == "cpu":
         env["ACCELERATE_USE_CPU"] = "1"  # gloo DDP on CPU processes (DeepSpeed reads use_cpu from its yaml)
     os.makedirs(workdir, exist_ok=True)
-    result = subprocess.run(launch_command(setting, device) + [STAGE_SCRIPT, *cli_flags(stage)], cwd=workdir,
-                            env=env, capture_output=True, text=True)
-    if result.returncode != 0:
+    run_folder = os.path.join(workdir, "runs", stage.run_name)
+    for attempt in (1, 2):
+        shutil.rmtree(run_folder, ignore_errors=True)  # (metrics.jsonl is appended to)
+        result = subprocess.run(launch_command(setting, device) + [STAGE_SCRIPT, *cli_flags(stage)], cwd=workdir,
+                                env=env, capture_output=True, text=True)
+        if result.returncode == 0:
+            return
         log = os.path.join(workdir, f"{stage.run_name}.log")
         with open(log, "w") as f:
             f.write(result.stdout + result.stderr)
-        raise RuntimeError(f"exit status {result.returncode}: {launched_failure(result.stderr)} (whole output: {log})")
+        failure = f"exit status {result.returncode}: {launched_failure(result.stderr)} (whole output: {log})"
+        if attempt == 1 and died_after_finishing(result.stderr, logged_updates(run_folder), updates):
+            console.print(f"[yellow]warning:[/] a rank was killed by a signal after the run's last update "
+                          f"({failure}); running it again", highlight=False)
+            continue
+        raise RuntimeError(failure)
+
+
+def logged_updates(run_folder: str) -> int:
+    """How many updates a run logged (its metrics.jsonl lines with time/update)."""
+    path = os.path.join(run_folder, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        return sum("time/update" in json.loads(line) for line in f if line.strip())
+
+
+def died_after_finishing(stderr: str, logged: int, updates: int) -> bool:
+    """Whether a launched run failed only in its ranks' exit: every update logged, and the launcher
+    reports a rank killed by a signal (a negative exit code) rather than one that raised."""
+    return logged == updates and re.search(r"exitcode\s*:\s*-\d+", stderr) is not None \
+        and not EXCEPTION_LINE.search(launched_failure(stderr))
 
 
 def read_metrics(workdir: str, run_name: str) -> list:
@@ -565,7 +595,7 @@ def phase_seconds(metrics: list) -> dict:
     return {name[len("time/"):]: [m.get(name, 0.0) for m in metrics] for name in names}
 
 
-def measure_ours(args: Args, setting: Setting, workdir: str, device: str) -> dict:
+def measure_ours(args: Args, setting: Setting, workdir: str, device: str, console: Console) -> dict:
     """Runs the stage once; per-update seconds and phases without the warm-up update."""
     config = model_config(setting.shape)
     sft_path, rm_path = build_checkpoints(setting.shape, args.cache_dir, args.seed)
@@ -581,7 +611,7 @@ def measure_ours(args: Args, setting: Setting, workdir: str, device: str) -> dic
         run_ours_in_process(stage, workdir, device, setting.threads)
         peak = peak_memory_gib(device, baseline)
     else:
-        run_ours_launched(stage, setting, workdir, device)
+        run_ours_launched(stage, setting, workdir, device, args.updates, console)
     metrics = read_metrics(workdir, name)
     return {"seconds": [m["time/update"] for m in metrics[1:]], "phases": phase_seconds(metrics[1:]),
             "peak_memory_gib": peak}
@@ -701,7 +731,7 @@ def run_speed(args: Args, device: str, console: Console) -> list:
         # each process decodes its own rows at once: on a CPU they share the one memory bus
         bandwidth = bandwidths[peak_threads] / (1 if device == "cuda" else setting.num_processes)
         try:
-            measured = measure_ours(args, setting, os.path.join(args.out, "work"), device)
+            measured = measure_ours(args, setting, os.path.join(args.out, "work"), device, console)
         except Exception as e:  # one shape out of memory must not end a sweep
             console.print(f"[red]failed[/]: {e}", highlight=False)
             rows.append({**base, "status": f"failed: {failure_reason(e)}"})

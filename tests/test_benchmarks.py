@@ -9,6 +9,7 @@ import io
 import math
 import os
 import socket
+import subprocess
 
 import numpy as np
 import pytest
@@ -206,3 +207,60 @@ def test_launched_runs_get_a_free_rendezvous_port():
     port = int(command[command.index("--main_process_port") + 1])
     with socket.socket() as probe:  # nothing listens there: it can be bound
         probe.bind(("127.0.0.1", port))
+
+
+# a launched run whose rank 1 died as it exited (CI, twice): every update done, then SIGABRT
+DIED_AT_EXIT_STDERR = """ppo 100%
+terminate called without an active exception
+W1123 18:47:47.308000 7869 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 7872 closing signal SIGTERM
+E1123 18:47:47.325000 7869 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -6) local_rank: 1
+Traceback (most recent call last):
+  File ".venv/bin/accelerate", line 6, in <module>
+    sys.exit(main())
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Root Cause (first observed failure):
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 7873)  (SIGABRT)
+============================================================
+"""
+
+
+def test_died_after_finishing_only_when_every_update_is_logged_and_no_rank_raised():
+    assert ppo_speed.died_after_finishing(DIED_AT_EXIT_STDERR, logged=2, updates=2)
+    assert not ppo_speed.died_after_finishing(DIED_AT_EXIT_STDERR, logged=1, updates=2)  # died mid-run
+    # a rank that raised (rank 0 then got SIGTERM: a negative exit code too) is a real failure
+    raised = RANK_FAILED_STDERR.replace("  rank      : 1", "  exitcode  : -15 (pid: 1)\n  rank      : 1")
+    assert not ppo_speed.died_after_finishing(raised, logged=2, updates=2)
+
+
+def test_a_run_killed_at_exit_is_run_once_more(tmp_path, monkeypatch):
+    """subprocess.run stands in for the launcher: it logs every update, then fails as DIED_AT_EXIT_STDERR
+    (`failures` times, or forever), or logs only one update and fails so."""
+    def launcher(failures, logged=2):
+        calls = []
+
+        def run(command, cwd, **kwargs):
+            calls.append(command)
+            folder = os.path.join(cwd, "runs", "r")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, "metrics.jsonl"), "a") as f:
+                f.writelines('{"time/update": 1.0}\n' for _ in range(logged))
+            failed = failures is None or len(calls) <= failures
+            return subprocess.CompletedProcess(command, 1 if failed else 0, "", DIED_AT_EXIT_STDERR if failed else "")
+        return calls, run
+
+    setting = ppo_speed.Setting(shape="tiny-s", strategy="ddp", num_processes=2, micro_batch_size=2, threads=1)
+    stage = ppo_speed.ppo.Args(run_name="r")
+    console = ppo_speed.Console(file=io.StringIO(), width=400)
+    calls, run = launcher(failures=1)
+    monkeypatch.setattr(ppo_speed.subprocess, "run", run)
+    ppo_speed.run_ours_launched(stage, setting, str(tmp_path), "cpu", 2, console)
+    assert len(calls) == 2 and "a rank was killed by a signal after the run's last update" in console.file.getvalue()
+    # the second run starts from an empty run folder: its metrics are its own
+    assert ppo_speed.logged_updates(str(tmp_path / "runs/r")) == 2
+    for failures, logged in ((None, 2), (1, 1)):  # twice in a row; or before the last update: no rerun
+        calls, run = launcher(failures, logged)
+        monkeypatch.setattr(ppo_speed.subprocess, "run", run)
+        with pytest.raises(RuntimeError, match="exit status 1"):
+            ppo_speed.run_ours_launched(stage, setting, str(tmp_path), "cpu", 2, console)
+        assert len(calls) == (2 if failures is None else 1)
