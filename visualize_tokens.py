@@ -37,10 +37,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from summarize_from_feedback_details.ppo_left_padding import (QUERY_COLUMNS, SamplingGroup, decode, derived_seed,
-                                                              forward, gather_logprobs, get_reward, load_policy,
-                                                              load_reward_model, load_split_dataset, load_tokenizer,
-                                                              looks_local, scaled_logits, truncate_response)
+from summarize_from_feedback_details.ppo_left_padding import (QUERY_COLUMNS, derived_seed, forward, gather_logprobs,
+                                                              get_reward, scaled_logits, truncate_response)
+from summarize_from_feedback_details.rollout import SamplingGroup, decode
+from summarize_from_feedback_details.run_infra import (load_policy, load_reward_model, load_split_dataset,
+                                                       load_tokenizer, looks_local)
 
 
 @dataclass

@@ -112,6 +112,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           PreTrainedTokenizerFast)
 
 from summarize_from_feedback_details import ppo_left_padding as ppo  # noqa: E402
+from summarize_from_feedback_details import run_infra  # noqa: E402
 from summarize_from_feedback_details.tiny_models import SIZES as TINY_SIZES  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,7 +223,7 @@ def trainable_params(shape: str, variant: str, lora_r: int) -> int:
         critic = AutoModelForSequenceClassification.from_config(model_config(shape, num_labels=1))
         if variant == "lora":
             lora = ppo.Args(use_peft=True, lora_r=lora_r)
-            policy, critic = ppo.with_lora(policy, lora), ppo.with_lora(critic, lora, head="score")
+            policy, critic = run_infra.with_lora(policy, lora), run_infra.with_lora(critic, lora, head="score")
     return sum(p.numel() for model in (policy, critic) for p in model.parameters() if p.requires_grad)
 
 
@@ -502,17 +503,17 @@ def release_memory() -> None:
 def end_of_update_times(times: list):
     """Appends time.perf_counter() at each per-update `Logger.log` call of the stage (its last step
     of an update), without touching the stage's file."""
-    original = ppo.Logger.log
+    original = run_infra.Logger.log
 
     def log(self, metrics, step):
         original(self, metrics, step)
         times.append(time.perf_counter())
 
-    ppo.Logger.log = log
+    run_infra.Logger.log = log
     try:
         yield
     finally:
-        ppo.Logger.log = original
+        run_infra.Logger.log = original
 
 
 def run_ours_in_process(stage: ppo.Args, workdir: str, device: str, threads: int) -> list:

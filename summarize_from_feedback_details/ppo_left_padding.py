@@ -39,15 +39,10 @@ with parameters offloaded to CPU under `--offload` (works on CPU processes over 
 """
 
 import contextlib
-import copy
-import json
+import functools
 import os
-import platform
-import random
-import shutil
-import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import numpy as np
@@ -55,14 +50,16 @@ import pandas as pd
 import torch
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast, gather_object
-from datasets import load_dataset, load_from_disk
-from rich.console import Console
+from accelerate.utils import gather_object
 from rich.progress import track
 from torch.utils.data import DataLoader
-from torch.utils.tensorboard import SummaryWriter
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig,
-                          DynamicCache, GenerationConfig, StaticCache)
+from transformers import GenerationConfig
+
+from summarize_from_feedback_details.rollout import CompiledStep, SamplingGroup, decode_in_batches
+from summarize_from_feedback_details.run_infra import (PhaseTimer, describe_frozen, enable_gradient_checkpointing,
+                                                       frozen_dtype, load_policy, load_reward_model,
+                                                       load_split_dataset, load_tokenizer, prepare_frozen, quantization,
+                                                       reference_policy, start_run, trainable_parameters, with_lora)
 
 
 @dataclass
@@ -252,13 +249,6 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
         raise ValueError(f"total_episodes {args.total_episodes} < batch_size {args.batch_size}: no update possible")
 
 
-def clipping_norm(max_grad_norm: Optional[float]) -> Optional[float]:
-    """The gradient norm to clip at, or None for no clipping (unset or <= 0). torch's
-    clip_grad_norm_ at 0 would zero every gradient, and DeepSpeed reads 0 as "off": this makes both
-    backends agree."""
-    return max_grad_norm if max_grad_norm is not None and max_grad_norm > 0 else None
-
-
 def epoch_permutations(n: int, epochs: int, seed: int) -> list:
     """A fresh permutation of range(n) per epoch, from the global seed only (identical on all ranks)."""
     generator = torch.Generator().manual_seed(seed)
@@ -323,107 +313,6 @@ def generate(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig
     responses = output[:, queries.shape[1]:]
     assert responses.shape[1] == config.max_new_tokens, "generation stopped early"
     return responses
-
-
-@dataclass
-class SamplingGroup:
-    """Queries that sample from one generator at one temperature: a rollout chunk or a chunk of the
-    update's validation queries. The seed depends on the chunk's place in the global batch only."""
-    queries: torch.Tensor
-    temperature: float
-    seed: int
-
-
-def left_pad(queries: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
-    return torch.nn.functional.pad(queries, (width - queries.shape[1], 0), value=pad_id)
-
-
-class CompiledStep:
-    """The one-token decode step of `model` under torch.compile (on a GPU with CUDA graphs, where a
-    small model's step is mostly kernel launches). The captured graph is specialised to the cache
-    tensors it writes, so the static KV cache of each batch shape is kept for the run and reset
-    per decode, and every step gets the full-length attention mask: all steps of a shape share one
-    graph (the causal mask hides the cache slots not yet written). The weights are read at each
-    call: the optimizer's in-place updates reach the next decode."""
-
-    def __init__(self, model, **compile_options):
-        self.forward = torch.compile(model, fullgraph=True, dynamic=False, **compile_options)
-        self.caches = {}
-
-    def cache(self, config, rows: int, length: int) -> StaticCache:
-        if (rows, length) not in self.caches:
-            self.caches[rows, length] = StaticCache(config=config, max_cache_len=length)
-        cache = self.caches[rows, length]
-        cache.reset()
-        return cache
-
-
-@torch.no_grad()
-def decode(model, groups: list, pad_id: int, response_length: int,
-           compiled_step: Optional[CompiledStep] = None) -> list:
-    """Samples `response_length` tokens for every group in one batch: a prefill of the left-padded
-    queries into a preallocated (static) KV cache, then one token per step through the model's own
-    forward (`compiled_step`'s compiled one if given). Returns (responses, logprobs) per group;
-    logprobs are those of the sampled tokens under the distribution they were drawn from, fp32
-    logits / (T + 1e-7) with `[PAD]` at -inf: what `scaled_logits` computes in the training forward
-    (so the first PPO ratio is 1 up to float noise) and exactly HF generate's processed scores. Each
-    group draws with torch.multinomial from its own generator, as HF generate does from the global
-    one: a group samples what HF generate would sample for it alone under torch.manual_seed(seed),
-    whatever else shares the batch."""
-    device = groups[0].queries.device
-    width = max(g.queries.shape[1] for g in groups)
-    queries = torch.cat([left_pad(g.queries, width, pad_id) for g in groups])
-    sizes = [len(g.queries) for g in groups]
-    temperature = torch.tensor([g.temperature for g in groups for _ in range(len(g.queries))], device=device)
-    generators = [torch.Generator(device).manual_seed(g.seed) for g in groups]
-    query_mask = queries != pad_id
-    # the attention mask of the finished sequences: every generated token is real
-    attention_mask = torch.cat([query_mask, query_mask.new_ones(len(queries), response_length)], 1)
-    positions = (query_mask.cumsum(1) - 1).clamp(min=0)
-    step_forward = model
-    # preallocated; under autocast over fp32 weights (mixed precision without DeepSpeed) keys and
-    # values come out in different dtypes, which only a growing cache takes (torch.cat promotes)
-    if torch.is_autocast_enabled(device.type):
-        cache = DynamicCache(config=model.config)
-    elif compiled_step is not None:
-        cache = compiled_step.cache(model.config, len(queries), width + response_length)
-        step_forward = compiled_step.forward
-    else:
-        cache = StaticCache(config=model.config, max_cache_len=width + response_length)
-    output = model(input_ids=queries.masked_fill(~query_mask, 0), attention_mask=attention_mask[:, :width],
-                   position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    tokens, logprobs = [], []
-    for step in range(response_length):
-        # a copy: a CUDA graph's output buffer is overwritten by its next replay
-        scores = output.logits[:, -1].to(torch.float32, copy=True)
-        scores[:, pad_id] = float("-inf")  # [PAD] is never sampled
-        scores = scores / (temperature[:, None] + 1e-7)
-        probs = torch.softmax(scores, -1)
-        token = torch.cat([torch.multinomial(rows, 1, generator=generator)
-                           for rows, generator in zip(probs.split(sizes), generators)])
-        tokens.append(token)
-        logprobs.append(scores.gather(1, token) - torch.logsumexp(scores, -1, keepdim=True))
-        if step + 1 < response_length:
-            # a static cache is read in full, so the full mask serves every step (one shape to compile)
-            mask = attention_mask if isinstance(cache, StaticCache) else attention_mask[:, :width + step + 1]
-            if step_forward is not model:
-                torch.compiler.cudagraph_mark_step_begin()
-            output = step_forward(input_ids=token, attention_mask=mask, position_ids=positions[:, -1:] + step + 1,
-                                  past_key_values=cache, use_cache=True)
-    return list(zip(torch.cat(tokens, 1).split(sizes), torch.cat(logprobs, 1).split(sizes)))
-
-
-def decode_in_batches(model, groups: list, pad_id: int, response_length: int, batch_size: int,
-                      compiled_step: Optional[CompiledStep] = None) -> list:
-    """`decode` over consecutive groups packed whole into batches of at most `batch_size` rows (a
-    group larger than that alone): a memory knob that changes no sample."""
-    results, batch = [], []
-    for group in groups:
-        if batch and sum(len(g.queries) for g in batch) + len(group.queries) > batch_size:
-            results += decode(model, batch, pad_id, response_length, compiled_step)
-            batch = []
-        batch.append(group)
-    return results + decode(model, batch, pad_id, response_length, compiled_step)
 
 
 def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int) -> torch.Tensor:
@@ -619,213 +508,6 @@ def derived_seed(*numbers: int) -> int:
     return seed
 
 
-class PhaseTimer:
-    """Seconds spent in named phases of one update, summed over the phase's entries (the rollout
-    enters each phase once per chunk). On a GPU it waits for the queued kernels at both ends of a
-    phase, so that a phase is charged with its own GPU work, not with the previous phase's."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds: dict = {}
-
-    def _wait(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        self._wait()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._wait()
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-
-# ---------------------------------------------------------------------------------------------
-# setup helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def looks_local(path: str) -> bool:
-    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1
-
-
-def load_tokenizer(name: str):
-    if looks_local(name) and not os.path.isdir(name):
-        raise FileNotFoundError(f"model path {name} does not exist")
-    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="right")
-    if tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # Pythia: a dedicated pad, never EOS
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(f"tokenizer {name}: pad token equals EOS ({tokenizer.eos_token!r}); EOS would never be "
-                         "learned. Use a dedicated pad token such as [PAD].")
-    return tokenizer
-
-
-def load_split_dataset(name: str, columns: tuple, kind: str = "SFT"):
-    if looks_local(name):
-        if not os.path.isdir(name):
-            raise FileNotFoundError(f"dataset {name} does not exist (build it with tldr_dataset.py)")
-        dataset = load_from_disk(name)
-    else:
-        dataset = load_dataset(name)
-    for split, ds in dataset.items():
-        missing = [c for c in columns if c not in ds.column_names]
-        if missing:
-            raise ValueError(f"dataset {name} split {split} lacks columns {missing}; is it the {kind} dataset "
-                             "written by tldr_dataset.py?")
-    return dataset
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
-def enable_gradient_checkpointing(model) -> None:
-    """Activation checkpointing of every layer, non-reentrant: the backward recomputes exactly the
-    forward it replaces (dropout is off), and no input needs requires_grad. transformers 5.23 renamed
-    the method; older 5.x only has the first name."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def check_peft_args(args, deepspeed: bool) -> None:
-    """Stops on LoRA / 4-bit settings that cannot work, before any model is loaded."""
-    if args.load_in_4bit and not args.use_peft:
-        raise ValueError("--load_in_4bit freezes 4-bit base weights under LoRA adapters: add --use_peft")
-    if args.use_peft and args.lora_r < 1:
-        raise ValueError(f"--lora_r must be >= 1, got {args.lora_r}")
-    if args.use_peft and not 0 <= args.lora_dropout < 1:
-        raise ValueError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
-    if not args.load_in_4bit:
-        return
-    if deepspeed:
-        raise ValueError("--load_in_4bit: DeepSpeed cannot partition bitsandbytes' packed 4-bit weights; "
-                         "launch without DeepSpeed (one process or DDP)")
-    capability = torch.backends.cpu.get_cpu_capability()
-    if not torch.cuda.is_available() and not (platform.machine() in ("x86_64", "AMD64")
-                                              and capability in ("AVX2", "AVX512")):
-        raise ValueError(f"--load_in_4bit: bitsandbytes' 4-bit kernels need a CUDA GPU or an x86-64 CPU with AVX2; "
-                         f"this machine has no GPU and a {platform.machine()} CPU with capability {capability}")
-
-
-def quantization(args, device: torch.device) -> dict:
-    """`from_pretrained` arguments of --load_in_4bit: NF4 base weights placed on this process's
-    device, computing in fp32 (mixed precision autocasts them like any other layer)."""
-    if not args.load_in_4bit:
-        return {}
-    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                      bnb_4bit_compute_dtype=torch.float32),
-            "device_map": {"": device}}
-
-
-def with_lora(model, args, head: Optional[str] = None):
-    """`model` with the LoRA adapters of --use_peft, base weights frozen. "all-linear" adapts every
-    linear layer but the LM head; `head` (a reward model's or critic's `score`) trains in full: peft
-    keeps a trainable copy and the original, which the disabled adapter uses. The adapters start as
-    a zero update (B = 0): the wrapped model computes exactly what the base does. (peft is imported
-    here: it takes seconds to import, bitsandbytes with it, and only LoRA runs need it.)"""
-    from peft import LoraConfig, get_peft_model
-
-    if args.load_in_4bit:
-        import bitsandbytes
-
-        for module in model.modules():
-            if isinstance(module, bitsandbytes.nn.Linear4bit):
-                # bitsandbytes 0.50 repacks 4-bit weights into an inference layout at the first no-grad
-                # eval-mode forward on AVX512-BF16 CPUs (a rollout), after which every backward fails
-                module.support_avx512bf16_for_cpu = False
-    targets = args.lora_target_modules
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules="all-linear" if targets == ["all-linear"] else targets,
-                        modules_to_save=[head] if head else None)
-    return get_peft_model(model, config)
-
-
-def trainable_parameters(model) -> str:
-    # (ZeRO-3 loads each rank's shard only: a parameter's full size is its ds_numel)
-    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
-    trainable, total = sum(n for n, trains in sizes if trains), sum(n for n, _ in sizes)
-    return f"{trainable:,} trainable parameters of {total:,} ({trainable / total:.2%})"
-
-
-def merged_model(model, load_base):
-    """A plain transformers model: `model`'s LoRA adapter (peft) merged into a copy of its weights,
-    `model` untouched (peft's merge_and_unload rewrites the model it is given). Over 4-bit base
-    weights the adapter goes onto the full-precision base, `load_base()`: merging into 4-bit
-    weights would round most of it away."""
-    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-
-    if getattr(model.get_base_model(), "is_loaded_in_4bit", False):
-        full = get_peft_model(load_base(), model.peft_config["default"])
-        set_peft_model_state_dict(full, get_peft_model_state_dict(model))
-        return full.merge_and_unload()
-    return copy.deepcopy(model).merge_and_unload()
-
-
-def saved_form(model, state_dict: dict, output_dir: str, load_base, use_peft: bool) -> tuple:
-    """What `output_dir` gets, as (model, state dict): a model as it is, or a LoRA model (peft) as
-    its merged model, after the adapter alone is written to `output_dir`/adapter."""
-    if not use_peft:
-        return model, state_dict
-    model.save_pretrained(os.path.join(output_dir, "adapter"))
-    merged = merged_model(model, load_base)
-    return merged, merged.state_dict()
-
-
-def check_model_path(path: str) -> None:
-    if looks_local(path) and not os.path.isdir(path):
-        raise FileNotFoundError(f"model path {path} does not exist")
-
-
-def frozen_dtype(mixed_precision: str) -> torch.dtype:
-    """The dtype of the reference policy and reward model, which never train: the mixed-precision
-    dtype when there is one (DeepSpeed would cast an fp32 copy to it anyway, after the host had held
-    it: 4 bytes per parameter per process instead of 2), else fp32."""
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
-
-
-def load_policy(path: str, tokenizer, dtype: torch.dtype = torch.float32, **quantized):
-    """A causal LM in `dtype` whatever the checkpoint's (fp32 master weights for the trained policy;
-    mixed precision is accelerate's job); `quantized`: from `quantization`."""
-    check_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **quantized)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
-    disable_dropout(model)
-    return model
-
-
-def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, **quantized):
-    """A saved reward model (reward.py), head and normalisation included, in `dtype`."""
-    check_model_path(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, **quantized)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
-    # HF's pooling reads the rightmost token that is not config.pad_token_id: the EOS
-    model.config.pad_token_id = tokenizer.pad_token_id
-    disable_dropout(model)
-    return model
-
-
-@contextlib.contextmanager
-def reference_policy(policy, ref_policy):
-    """The model of a reference forward: `ref_policy`, or with LoRA (`ref_policy` None) the policy
-    itself with its adapter disabled, which computes exactly the SFT model's logits."""
-    if ref_policy is not None:
-        yield ref_policy
-    else:
-        with policy.disable_adapter():
-            yield policy
-
-
 class PolicyAndValueWrapper(torch.nn.Module):
     """Policy and critic as one module, so that one `accelerator.prepare` (one DDP / DeepSpeed
     engine) and one optimizer cover both."""
@@ -838,257 +520,6 @@ class PolicyAndValueWrapper(torch.nn.Module):
         """Logits and values at the response positions only."""
         return (response_logits(self.policy, query_responses, self.pad_id, response_length),
                 response_values(self.critic, query_responses, self.pad_id, response_length))
-
-
-def prepare_frozen(model, args: Args, accelerator: Accelerator):
-    """Reference policy and reward model: no gradients, eval mode. Under DeepSpeed they become
-    inference engines in the trainable model's precision (as the paper); with --offload, ZeRO-3
-    engines whose parameters live on the CPU and are gathered layer by layer for each forward."""
-    model.requires_grad_(False)
-    if accelerator.state.deepspeed_plugin is None:
-        return model.to(accelerator.device).eval()
-    import deepspeed
-
-    config = {
-        "train_micro_batch_size_per_gpu": args.local_micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
-        "fp16": {"enabled": accelerator.mixed_precision == "fp16"},
-        "prescale_gradients": False,
-        "wall_clock_breakdown": False,
-    }
-    if args.offload:
-        config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 1e4,
-                                       "offload_param": {"device": "cpu"}}
-    engine, *_ = deepspeed.initialize(model=model, config=config)
-    engine.eval()
-    return engine
-
-
-def describe_frozen(model) -> str:
-    """How a frozen model is held (printed at startup, so a run shows its dtype and where --offload
-    put it)."""
-    dtype = next(model.parameters()).dtype
-    if not hasattr(model, "zero_optimization_stage"):
-        return f"plain module on {next(model.parameters()).device}, {dtype}"
-    offload = model.zero_offload_param()
-    device = getattr(offload.device, "value", offload.device) if offload is not None else "none"
-    local = sum(p.numel() for p in model.module.parameters())
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.module.parameters())
-    return (f"DeepSpeed ZeRO-{model.zero_optimization_stage()} engine, {dtype}, parameter offload {device}, "
-            f"{local} of {total} parameters resident on this rank")
-
-
-class Logger:
-    """TensorBoard + metrics.jsonl (+ wandb: scalars via TensorBoard sync, and the eval tables) on the
-    main process only. `resume` (the `state()` a checkpoint kept) continues a run where it stood:
-    metrics.jsonl is cut back to its length then, TensorBoard hides the events logged after it, and
-    wandb continues the same run."""
-
-    def __init__(self, args: Args, accelerator: Accelerator, resume: Optional[dict] = None):
-        self.main = accelerator.is_main_process
-        self.track = self.main and args.track
-        self.folder = os.path.join("runs", args.run_name)
-        self.last_step = resume["last_step"] if resume else None
-        self.wandb_id = resume["wandb_id"] if resume else None
-        if not self.main:
-            return
-        if args.track:
-            import wandb
-
-            self.wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                                       config=asdict(args), name=args.run_name, save_code=True, id=self.wandb_id,
-                                       resume="allow" if self.wandb_id else None).id
-        os.makedirs(self.folder, exist_ok=True)
-        self.writer = SummaryWriter(self.folder, purge_step=None if self.last_step is None else self.last_step + 1)
-        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{k}|{v}|" for k, v in asdict(args).items()))
-        with open(os.path.join(self.folder, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
-        path = os.path.join(self.folder, "metrics.jsonl")
-        if resume and os.path.exists(path):
-            with open(path, "r+") as f:
-                f.truncate(resume["jsonl_bytes"])
-        self.jsonl = open(path, "a")
-
-    def log(self, metrics: dict, step: int) -> None:
-        if not self.main:
-            return
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, step)
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.jsonl.flush()
-        self.last_step = step
-
-    def state(self) -> dict:
-        """Where the logs stand (main process): what a checkpoint keeps to continue them."""
-        return {"jsonl_bytes": self.jsonl.tell(), "last_step": self.last_step, "wandb_id": self.wandb_id}
-
-    def table(self, name: str, frame: pd.DataFrame) -> None:
-        if self.main:
-            frame.to_csv(os.path.join(self.folder, f"{name}.csv"), index=False)
-        if self.track:  # eval/rlhf_scaling_plot.py judges this table from wandb
-            import wandb
-
-            wandb.log({name: wandb.Table(dataframe=frame)})
-
-    def close(self) -> None:
-        if self.main:
-            self.writer.close()
-            self.jsonl.close()
-        if self.track:
-            import wandb
-
-            wandb.finish()
-
-
-# A stage stopped by SIGTERM or SIGUSR1 exits with this status once its checkpoint is written
-# (EX_TEMPFAIL: try again later); the same command with --resume finishes the run.
-CHECKPOINT_EXIT_CODE = 75
-
-
-def rng_state() -> dict:
-    """Every random stream this process draws from."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def find_checkpoint(output_dir: str, identity: dict, world_size: int, deepspeed: bool) -> tuple:
-    """(folder, trainer state) of the newest checkpoint in `<output_dir>/checkpoints`, once it is
-    clear that this run can continue it: the same stage and batch arithmetic (`identity`), the same
-    backend, and under DeepSpeed the same process count (its ZeRO files are sharded by rank)."""
-    folder = os.path.join(output_dir, "checkpoints")
-    names = sorted(n for n in os.listdir(folder) if n.startswith("update-")) if os.path.isdir(folder) else []
-    if not names:
-        raise FileNotFoundError(f"--resume: no checkpoint in {folder}")
-    path = os.path.join(folder, names[-1])
-    state_file = os.path.join(path, "trainer_state.json")
-    try:
-        with open(state_file) as f:
-            state = json.load(f)
-        saved = state["identity"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{state_file}: not a readable checkpoint state ({type(e).__name__}: {e})") from None
-    mismatch = [f"{k} {saved.get(k)!r} there, {v!r} here" for k, v in identity.items() if saved.get(k) != v]
-    if mismatch:
-        raise ValueError(f"{path} is not a checkpoint of this run: {'; '.join(mismatch)}")
-    if state["deepspeed"] != deepspeed:
-        raise ValueError(f"{path} was written {'with' if state['deepspeed'] else 'without'} DeepSpeed; resume it the "
-                         "same way")
-    if deepspeed and state["world_size"] != world_size:
-        raise ValueError(f"{path}: DeepSpeed's ZeRO checkpoint of {state['world_size']} processes loads only on as "
-                         f"many (this run has {world_size})")
-    return path, state
-
-
-class Checkpoints:
-    """Checkpoints of a run in `<output_dir>/checkpoints/update-<k>/`, and the signals that ask for one.
-
-    A checkpoint holds what decides the rest of the run: the trained model and its optimizer (under
-    DeepSpeed in its own ZeRO format through accelerate, with every rank's RNG streams; otherwise
-    plain torch files of the unwrapped model's trained parameters, so another process count can
-    resume), the `objects`
-    (learning-rate scheduler, KL controller), every rank's RNG streams, and `trainer_state.json`: the
-    update reached (the data position follows from the global order), the run name, where the logs
-    stand, the stage's `records`, and the `identity` a resume must match. It is written aside and
-    renamed into place, so a run killed while writing keeps the previous one; the newest `keep` stay.
-    SIGTERM and SIGUSR1 (what Slurm sends before a preemption or the time limit) ask for a checkpoint
-    at the end of the current update, after which the run exits with CHECKPOINT_EXIT_CODE."""
-
-    def __init__(self, args, accelerator: Accelerator, model, optimizer, objects: list, identity: dict):
-        self.folder = os.path.join(args.output_dir, "checkpoints") if args.output_dir else None
-        self.every, self.keep, self.identity = args.checkpoint_every, args.keep_checkpoints, identity
-        self.accelerator, self.model, self.optimizer, self.objects = accelerator, model, optimizer, objects
-        self.deepspeed = accelerator.state.deepspeed_plugin is not None
-        self.signal = None
-        if self.folder:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, self._remember)
-        if self.deepspeed:
-            accelerator.register_for_checkpointing(*objects)
-
-    def _remember(self, signum, frame) -> None:
-        self.signal = signal.Signals(signum).name
-
-    def load(self, path: str, state: dict) -> None:
-        """Restores what `save` wrote (after accelerator.prepare; `state` from find_checkpoint)."""
-        rank = self.accelerator.process_index
-        try:
-            if self.deepspeed:
-                self.accelerator.load_state(path)
-            else:
-                saved = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
-                model = self.accelerator.unwrap_model(self.model)
-                missing, unexpected = model.load_state_dict(saved["model"], strict=False)
-                trained = {name for name, p in model.named_parameters() if p.requires_grad}
-                if unexpected or trained & set(missing):
-                    raise KeyError(f"not this model's: {unexpected[:5]}; missing: {sorted(trained & set(missing))[:5]}")
-                self.optimizer.load_state_dict(saved["optimizer"])
-                for obj, obj_state in zip(self.objects, saved["objects"], strict=True):
-                    obj.load_state_dict(obj_state)
-                # another process count: ranks the checkpoint did not have keep their own seeds
-                if rank < state["world_size"]:
-                    set_rng_state(torch.load(os.path.join(path, f"rng_rank{rank}.pt"), weights_only=False))
-        except Exception as e:
-            raise ValueError(f"{path}: cannot load the checkpoint ({type(e).__name__}: {e})") from e
-
-    def after_update(self, update: int, run_name: str, logger, records=None) -> None:
-        """The safe point at the end of an update: saves a checkpoint when one is due, and after a
-        signal (on any rank; all ranks stop at the same update) exits."""
-        if self.folder is None:
-            return
-        asked = torch.tensor(float(self.signal is not None), device=self.accelerator.device)
-        stop = self.accelerator.reduce(asked, "sum").item() > 0
-        if stop or (self.every and update % self.every == 0):
-            self.save(update, run_name, logger, records)
-        if stop:
-            if self.accelerator.is_main_process:
-                print(f"checkpoint saved at update {update} after a stop signal; exiting with status "
-                      f"{CHECKPOINT_EXIT_CODE} (rerun with --resume)", flush=True)
-            logger.close()
-            raise SystemExit(CHECKPOINT_EXIT_CODE)
-
-    def save(self, update: int, run_name: str, logger, records=None) -> None:
-        main = self.accelerator.is_main_process
-        final = os.path.join(self.folder, f"update-{update:07d}")
-        partial = os.path.join(self.folder, f".update-{update:07d}.partial")
-        if main:
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-        self.accelerator.wait_for_everyone()
-        if self.deepspeed:
-            self.accelerator.save_state(partial)
-        else:
-            if main:
-                # the trained parameters: frozen ones (a LoRA run's base) are reloaded from their own
-                # checkpoint at the start of every run
-                model = self.accelerator.unwrap_model(self.model)
-                trained = {name for name, p in model.named_parameters() if p.requires_grad}
-                torch.save({"model": {k: v for k, v in model.state_dict().items() if k in trained},
-                            "optimizer": self.optimizer.state_dict(),
-                            "objects": [obj.state_dict() for obj in self.objects]}, os.path.join(partial, "state.pt"))
-            torch.save(rng_state(), os.path.join(partial, f"rng_rank{self.accelerator.process_index}.pt"))
-        if main:
-            with open(os.path.join(partial, "trainer_state.json"), "w") as f:
-                json.dump({"identity": self.identity, "update": update, "run_name": run_name,
-                           "world_size": self.accelerator.num_processes, "deepspeed": self.deepspeed,
-                           "logger": logger.state(), "records": records}, f)
-        self.accelerator.wait_for_everyone()
-        if main:
-            shutil.rmtree(final, ignore_errors=True)  # (the same update saved again)
-            os.replace(partial, final)
-            names = sorted(n for n in os.listdir(self.folder) if n.startswith("update-"))
-            for name in names[:-self.keep]:
-                shutil.rmtree(os.path.join(self.folder, name))
-        self.accelerator.wait_for_everyone()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1134,92 +565,106 @@ def evaluate(accelerator: Accelerator, policy, reward_model, tokenizer, dataload
     return metrics, table
 
 
-# ---------------------------------------------------------------------------------------------
+def validate(run, reward_model, tokenizer, validation_batch: dict, generated: list, logger, update: int) -> float:
+    """The reward model's mean score, over all processes, of the policy's responses (`generated`,
+    from the batched decode) to this update's validation queries; every `print_sample_output_freq`
+    updates they are saved as `samples_<update>.csv` (full slices on every rank: nothing to
+    de-duplicate, and no dataloader state involved)."""
+    sample_rows, scores, _ = score_responses(run.accelerator, reward_model, tokenizer, validation_batch["query_token"],
+                                             torch.cat([response for response, _ in generated]),
+                                             validation_batch["reference_response_token"])
+    freq = run.args.print_sample_output_freq
+    if freq and (update - 1) % freq == 0:
+        table = pd.DataFrame(gather_object(sample_rows))
+        logger.table(f"samples_{update}", table)
+        run.print(f"update {update}: {table.iloc[0]['postprocessed_response']!r} (score {table.iloc[0]['scores']:.3f})")
+    return run.accelerator.gather(scores).mean().item()
 
 
-def main(args: Args) -> None:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    # CPU processes (tests, laptops) talk over gloo; a single plain process needs no group at all
-    distributed_cpu = "WORLD_SIZE" in os.environ and not torch.cuda.is_available()
-    kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else []
-    dataset = load_split_dataset(args.query_dataset, QUERY_COLUMNS)
-    if "train" not in dataset or "validation" not in dataset:
-        raise ValueError(f"{args.query_dataset} needs `train` and `validation` splits")
-    derive_batch_sizes(args, world_size)
-    accelerator = Accelerator(
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
-        kwargs_handlers=kwargs_handlers,
-    )
-    assert accelerator.num_processes == world_size, (accelerator.num_processes, world_size)
-    console = Console()
-    deepspeed_plugin = accelerator.state.deepspeed_plugin
-    if args.deepspeed and deepspeed_plugin is None:
-        raise ValueError("--deepspeed given, but accelerate is not configured for DeepSpeed "
-                         "(accelerate launch --config_file deepspeed.yaml ...)")
-    check_peft_args(args, deepspeed_plugin is not None)
-    clip_norm = clipping_norm(args.max_grad_norm)
-    if args.offload and deepspeed_plugin is None:
-        raise ValueError("--offload puts the frozen models on DeepSpeed ZeRO-3: launch with a DeepSpeed "
-                         "accelerate config (accelerate launch --config_file deepspeed.yaml ...)")
-    if deepspeed_plugin is not None:
-        if deepspeed_plugin.zero_stage == 3:
-            raise ValueError("the policy generates from its unwrapped module, which needs full parameters on "
-                             "every rank: use ZeRO-2 for policy + critic (deepspeed.yaml); --offload puts the "
-                             "frozen reference and reward models on ZeRO-3")
-        # one micro-batch per backward, one optimizer step per minibatch; clipping inside DeepSpeed
-        # (accelerate would fill in 1.0 where nothing is set; DeepSpeed reads 0 as "off")
-        deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
-        deepspeed_plugin.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-        deepspeed_plugin.deepspeed_config["gradient_clipping"] = clip_norm or 0.0
-    # a checkpoint continues on any process count, for the same stage, seed and batch arithmetic
-    # (and rollout chunk, which fixes where each chunk's sampling noise comes from)
-    identity = {"stage": "ppo_left_padding", "seed": args.seed, "batch_size": args.batch_size,
-                "mini_batch_size": args.mini_batch_size, "total_episodes": args.total_episodes,
-                "num_updates": args.num_updates, "local_rollout_forward_batch_size": args.local_rollout_forward_batch_size,
-                # adapters over frozen weights resume only with the same LoRA settings
-                "lora": ([args.lora_r, args.lora_alpha, args.lora_target_modules, args.load_in_4bit]
-                         if args.use_peft else None)}
-    if (args.resume or args.checkpoint_every) and not args.output_dir:
-        raise ValueError("--resume and --checkpoint_every keep checkpoints in <output_dir>/checkpoints: set --output_dir")
-    resumed = find_checkpoint(args.output_dir, identity, world_size, deepspeed_plugin is not None) if args.resume else None
-    start_update = resumed[1]["update"] if resumed else 0
-
-    # run name: rank 0's clock, broadcast so every rank logs under one name (a resumed run keeps its own)
-    stamp = broadcast(torch.tensor(int(time.time()), device=accelerator.device), 0).item()
-    args.run_name = resumed[1]["run_name"] if resumed else args.run_name or f"{args.exp_name}__{args.seed}__{stamp}"
-    local_seed = args.seed + accelerator.process_index * 100003
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(local_seed)
-    torch.backends.cudnn.deterministic = True
-    if accelerator.is_main_process:
-        console.print(
-            f"world_size {world_size} x local_micro_batch_size {args.local_micro_batch_size} x "
-            f"gradient_accumulation_steps {args.gradient_accumulation_steps} x nminibatches {args.nminibatches} = "
-            f"batch_size {args.batch_size} episodes (minibatch {args.mini_batch_size}); {args.num_updates} updates "
-            f"over {args.total_episodes} episodes ({args.total_episodes - args.num_updates * args.batch_size} left "
-            f"over); weight_decay {args.weight_decay}; gradient clipping {clip_norm or 'off'}; whitening "
-            f"{'per rank' if args.ppo.whiten_per_rank else 'global'}; loss normalised per "
-            f"{args.ppo.loss_normalization.replace('_', '-')}; offload {args.offload}")
-
-    tokenizer = load_tokenizer(args.base_model)
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+def load_models(run, tokenizer) -> tuple:
+    """The four models of the paper's PPO: policy and reference from the SFT checkpoint, critic (head
+    included) and reward model from the reward-model checkpoint. Returns (policy and critic in one
+    `PolicyAndValueWrapper`, reference, reward model). The trained ones in fp32 master weights (4-bit
+    NF4 bases under --load_in_4bit), the frozen ones in the mixed-precision dtype; with --use_peft the
+    reference is the policy with its adapter disabled (None: no second copy of the weights)."""
+    args, accelerator = run.args, run.accelerator
     quantized = quantization(args, accelerator.device)
     policy = load_policy(args.sft_model_path, tokenizer, **quantized)
     critic = load_reward_model(args.reward_model_path, tokenizer, **quantized)  # critic = the RM, head included
     reward_model = load_reward_model(args.reward_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
     if args.use_peft:
-        # the reference is the policy with its adapter disabled: no second copy of the weights
         policy, critic, ref_policy = with_lora(policy, args), with_lora(critic, args, head="score"), None
     else:
         ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
         enable_gradient_checkpointing(critic)
-    model = PolicyAndValueWrapper(policy, critic, pad_id)
-    if accelerator.is_main_process:
-        console.print(f"policy: {trainable_parameters(policy)}; critic: {trainable_parameters(critic)}")
+    run.print(f"policy: {trainable_parameters(policy)}; critic: {trainable_parameters(critic)}")
+    return PolicyAndValueWrapper(policy, critic, tokenizer.pad_token_id), ref_policy, reward_model
+
+
+def update_metrics(accelerator, stats: torch.Tensor, kl, non_score_reward, scores, logprobs, padding_mask,
+                   contain_eos, sequence_lengths, validation_score: float) -> dict:
+    """The objective/ and ppo/ metrics of an update over all processes: the rollout's statistics over
+    real tokens, and the PPO epochs' from their per-(epoch, minibatch) sums `stats` (STAT_NAMES)."""
+    stats = accelerator.reduce(stats, "sum")
+    stat = dict(zip(STAT_NAMES, stats.unbind(-1)))
+    totals = stats.sum((0, 1))
+    mean_kl = accelerator.gather(kl.sum(1)).mean().item()
+    mean_non_score_reward = accelerator.gather(non_score_reward.sum(1)).mean().item()
+    mean_score = accelerator.gather(scores).mean().item()
+    return {
+        "objective/kl": mean_kl,
+        # estimated entropy (sum of -logprob of the sampled tokens) over real tokens only
+        "objective/entropy": accelerator.gather((-logprobs).masked_fill(padding_mask, 0).sum(1)).mean().item(),
+        "objective/non_score_reward": mean_non_score_reward,
+        "objective/rlhf_reward": mean_non_score_reward + mean_score,
+        "objective/score_total": mean_non_score_reward + mean_score,  # (the original's name for it)
+        "objective/scores": mean_score,
+        "objective/validation_score": validation_score,
+        "ppo/policy/approxkl_avg": (stat["approxkl"] / stat["policy_tokens"]).mean().item(),
+        "ppo/policy/clipfrac_avg": (stat["pg_clipfrac"] / stat["policy_tokens"]).mean().item(),
+        "ppo/loss/policy_avg": stat["pg_loss"].mean().item(),
+        "ppo/loss/value_avg": stat["vf_loss"].mean().item(),
+        "ppo/val/clipfrac_avg": (stat["vf_clipfrac"] / stat["value_tokens"]).mean().item(),
+        "ppo/policy/entropy_avg": (stat["entropy"] / stat["policy_tokens"]).mean().item(),
+        "ppo/val/ratio": (stat["ratio"] / stat["policy_tokens"]).mean().item(),
+        # token-level variance of the ratio over all epochs and minibatches
+        "ppo/val/ratio_var": (totals[6] / totals[7] - (totals[5] / totals[7]) ** 2).item(),
+        # the sanity check of the N+ paper: before any step the ratio is 1 and approxkl 0
+        "ppo/val/ratio_first_minibatch": (stat["ratio"][0, 0] / stat["policy_tokens"][0, 0]).item(),
+        "ppo/policy/approxkl_first_minibatch": (stat["approxkl"][0, 0] / stat["policy_tokens"][0, 0]).item(),
+        "ppo/policy/clipfrac_first_minibatch": (stat["pg_clipfrac"][0, 0] / stat["policy_tokens"][0, 0]).item(),
+        # responses that end (with the EOS), over all processes (the paper counted the EOS
+        # tokens of rank 0's raw responses, junk after the first EOS included)
+        "ppo/val/num_eos_tokens": accelerator.gather(contain_eos.long()).sum().item(),
+        "ppo/val/response_length": accelerator.gather((sequence_lengths + 1).float()).mean().item(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    dataset = load_split_dataset(args.query_dataset, QUERY_COLUMNS)
+    if "train" not in dataset or "validation" not in dataset:
+        raise ValueError(f"{args.query_dataset} needs `train` and `validation` splits")
+    derive_batch_sizes(args, int(os.environ.get("WORLD_SIZE", "1")))
+    # a checkpoint continues on any process count, for the same stage, seed and batch arithmetic
+    # (and rollout chunk, which fixes where each chunk's sampling noise comes from)
+    run = start_run(args, {"stage": "ppo_left_padding", "seed": args.seed, "batch_size": args.batch_size,
+                           "mini_batch_size": args.mini_batch_size, "total_episodes": args.total_episodes,
+                           "num_updates": args.num_updates,
+                           "local_rollout_forward_batch_size": args.local_rollout_forward_batch_size},
+                    generates=True)
+    accelerator, start_update, clip_norm = run.accelerator, run.start_update, run.clip_norm
+    run.print_batch_arithmetic("episodes", f"whitening {'per rank' if args.ppo.whiten_per_rank else 'global'}",
+                               f"loss normalised per {args.ppo.loss_normalization.replace('_', '-')}",
+                               f"offload {args.offload}")
+
+    tokenizer = load_tokenizer(args.base_model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model, ref_policy, reward_model = load_models(run, tokenizer)
     optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
     optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
                                 weight_decay=args.weight_decay)
@@ -1235,36 +680,23 @@ def main(args: Args) -> None:
     train_loader = DataLoader(train, batch_size=args.local_batch_size, sampler=order, drop_last=True,
                               generator=torch.Generator())
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    if ref_policy is not None:
-        ref_policy = prepare_frozen(ref_policy, args, accelerator)
+    ref_policy = prepare_frozen(ref_policy, args, accelerator)
     reward_model = prepare_frozen(reward_model, args, accelerator)
     unwrapped = accelerator.unwrap_model(model)
-    compiled_step = None
-    if args.compile_decode and accelerator.device.type == "cuda":
-        compiled_step = CompiledStep(unwrapped.policy, mode="reduce-overhead")
-    if accelerator.is_main_process:
-        if deepspeed_plugin is not None:  # what the engine of policy + critic really got
-            console.print(f"DeepSpeed engine: ZeRO-{model.zero_optimization_stage()}, "
-                          f"gradient_clipping {model.gradient_clipping()}")
-        reference = describe_frozen(ref_policy) if ref_policy is not None else "the policy, its LoRA adapter disabled"
-        console.print(f"reference policy: {reference}; reward model: {describe_frozen(reward_model)}", soft_wrap=True)
+    use_compiled_step = args.compile_decode and accelerator.device.type == "cuda"
+    compiled_step = CompiledStep(unwrapped.policy, mode="reduce-overhead") if use_compiled_step else None
     # per-update validation: global eval batch u is validation_order[u * G : (u + 1) * G] (wrapping),
     # rank r taking its r-th slice of local_eval_batch_size, so every update scores new queries
     validation = dataset["validation"].with_format("torch", columns=list(QUERY_COLUMNS))
     validation_order = torch.randperm(len(validation), generator=torch.Generator().manual_seed(args.seed)).tolist()
-    eval_loaders = {
-        s: accelerator.prepare(DataLoader(dataset[s].with_format("torch", columns=list(QUERY_COLUMNS)),
-                                          batch_size=args.local_eval_batch_size))
-        for s in ("validation", "test") if s in dataset and args.run_eval
-    }
+    eval_loaders = {s: accelerator.prepare(DataLoader(dataset[s].with_format("torch", columns=list(QUERY_COLUMNS)),
+                                                      batch_size=args.local_eval_batch_size))
+                    for s in ("validation", "test") if s in dataset and args.run_eval}
     eval_config = generation_config(args.response_length, args.eval_temperature, pad_id)
     kl_ctl = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target, args.ppo.horizon)
-    checkpoints = Checkpoints(args, accelerator, model, optimizer, [kl_ctl], identity)
-    if resumed:
-        checkpoints.load(*resumed)
-        if accelerator.is_main_process:
-            console.print(f"resumed run {args.run_name} from {resumed[0]} at update {start_update}")
-    logger = Logger(args, accelerator, resume=resumed[1]["logger"] if resumed else None)
+    checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [kl_ctl])
+    run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}",
+              soft_wrap=True)
     # whitening statistics over the global batch (sums reduced over processes) unless per rank
     reduce = None if args.ppo.whiten_per_rank else (lambda t: accelerator.reduce(t, "sum"))
     device = accelerator.device
@@ -1278,8 +710,7 @@ def main(args: Args) -> None:
     for update in track(range(start_update + 1, args.num_updates + 1), description="ppo",
                         disable=not accelerator.is_main_process):
         data = next(iter_loader)
-        timer = PhaseTimer(device)  # time/ metrics: seconds of this update by phase (rank 0's)
-        update_start = time.perf_counter()
+        timer = PhaseTimer(device)  # time/ and throughput/ metrics: seconds of this update by phase (rank 0's)
         # linear annealing from lr (first update) to lr / num_updates (last update), as the paper
         lr_now = (1.0 - (update - 1.0) / args.num_updates) * args.lr
         for group in optimizer.param_groups:
@@ -1307,24 +738,13 @@ def main(args: Args) -> None:
                                           args.response_length, args.local_generation_batch_size, compiled_step)
         validation_generated, rollout_generated = generated[:len(validation_groups)], generated[len(validation_groups):]
 
-        # validation score of the current policy on the held-out queries
-        with timer("validation"):
-            sample_rows, validation_scores, _ = score_responses(
-                accelerator, reward_model, tokenizer, validation_batch["query_token"],
-                torch.cat([response for response, _ in validation_generated]),
-                validation_batch["reference_response_token"])
-            validation_score = accelerator.gather(validation_scores).mean().item()
-            if args.print_sample_output_freq and (update - 1) % args.print_sample_output_freq == 0:
-                # (full slices on every rank: nothing to de-duplicate, and no dataloader state involved)
-                table = pd.DataFrame(gather_object(sample_rows))
-                logger.table(f"samples_{update}", table)
-                if accelerator.is_main_process:
-                    console.print(f"update {update}: {table.iloc[0]['postprocessed_response']!r} "
-                                  f"(score {table.iloc[0]['scores']:.3f})")
+        with timer("validation"):  # the current policy's score on the held-out queries
+            validation_score = validate(run, reward_model, tokenizer, validation_batch, validation_generated, logger,
+                                        update)
 
         # ---- rollout scoring --------------------------------------------------------------
         with torch.no_grad():
-            responses, logprobs, ref_logprobs, values, scores = [], [], [], [], []
+            chunks = []
             for group, (response, logprob) in zip(rollout_groups, rollout_generated):
                 query = group.queries
                 query_response = torch.cat([query, response], 1)
@@ -1341,14 +761,9 @@ def main(args: Args) -> None:
                     # the reward model scores the EOS-truncated response at its EOS
                     postprocessed = truncate_response(response, eos_id, pad_id)
                     score = get_reward(reward_model, torch.cat([query, postprocessed], 1), pad_id).float()
-                responses.append(response)
-                logprobs.append(logprob)
-                ref_logprobs.append(ref_logprob)
-                values.append(value)
-                scores.append(score)
+                chunks.append((response, logprob, ref_logprob, value, score))
             with timer("advantages"):
-                responses, logprobs, ref_logprobs = torch.cat(responses), torch.cat(logprobs), torch.cat(ref_logprobs)
-                values, scores = torch.cat(values), torch.cat(scores)
+                responses, logprobs, ref_logprobs, values, scores = (torch.cat(x) for x in zip(*chunks))
                 query_responses = torch.cat([queries, responses], 1)
                 postprocessed_responses = truncate_response(responses, eos_id, pad_id)
                 contain_eos = (postprocessed_responses == eos_id).any(-1)
@@ -1414,62 +829,26 @@ def main(args: Args) -> None:
                                 token_stats(logratio, ratio, pg_clipped, entropy_from_logits(new_logits), policy_mask,
                                             vf_clipped, value_mask)])
                         del new_logits
-                if accelerator.is_main_process:
-                    s = stats[epoch].sum(0)  # this epoch, this process
-                    console.print(f"update {update} epoch {epoch}: approxkl {s[2] / s[7]:.3e} "
-                                  f"clipfrac {s[3] / s[7]:.4f} ratio {s[5] / s[7]:.6f}", highlight=False)
+                s = stats[epoch].sum(0)  # this epoch, this process
+                run.print(f"update {update} epoch {epoch}: approxkl {s[2] / s[7]:.3e} "
+                          f"clipfrac {s[3] / s[7]:.4f} ratio {s[5] / s[7]:.6f}", highlight=False)
 
         # ---- logging ------------------------------------------------------------------------
         with torch.no_grad():
-            stats = accelerator.reduce(stats, "sum")
-            stat = dict(zip(STAT_NAMES, stats.unbind(-1)))
-            totals = stats.sum((0, 1))
-            mean_kl = accelerator.gather(kl.sum(1)).mean().item()
-            mean_non_score_reward = accelerator.gather(non_score_reward.sum(1)).mean().item()
-            mean_score = accelerator.gather(scores).mean().item()
-            global_step = update * args.batch_size
-            update_seconds = time.perf_counter() - update_start
             metrics = {
-                "objective/kl": mean_kl,
-                # estimated entropy (sum of -logprob of the sampled tokens) over real tokens only
-                "objective/entropy": accelerator.gather((-logprobs).masked_fill(padding_mask, 0).sum(1)).mean().item(),
-                "objective/non_score_reward": mean_non_score_reward,
-                "objective/rlhf_reward": mean_non_score_reward + mean_score,
-                "objective/score_total": mean_non_score_reward + mean_score,  # (the original's name for it)
-                "objective/scores": mean_score,
-                "objective/validation_score": validation_score,
-                "ppo/policy/approxkl_avg": (stat["approxkl"] / stat["policy_tokens"]).mean().item(),
-                "ppo/policy/clipfrac_avg": (stat["pg_clipfrac"] / stat["policy_tokens"]).mean().item(),
-                "ppo/loss/policy_avg": stat["pg_loss"].mean().item(),
-                "ppo/loss/value_avg": stat["vf_loss"].mean().item(),
-                "ppo/val/clipfrac_avg": (stat["vf_clipfrac"] / stat["value_tokens"]).mean().item(),
-                "ppo/policy/entropy_avg": (stat["entropy"] / stat["policy_tokens"]).mean().item(),
-                "ppo/val/ratio": (stat["ratio"] / stat["policy_tokens"]).mean().item(),
-                # token-level variance of the ratio over all epochs and minibatches
-                "ppo/val/ratio_var": (totals[6] / totals[7] - (totals[5] / totals[7]) ** 2).item(),
-                # the sanity check of the N+ paper: before any step the ratio is 1 and approxkl 0
-                "ppo/val/ratio_first_minibatch": (stat["ratio"][0, 0] / stat["policy_tokens"][0, 0]).item(),
-                "ppo/policy/approxkl_first_minibatch": (stat["approxkl"][0, 0] / stat["policy_tokens"][0, 0]).item(),
-                "ppo/policy/clipfrac_first_minibatch": (stat["pg_clipfrac"][0, 0] / stat["policy_tokens"][0, 0]).item(),
-                # responses that end (with the EOS), over all processes (the paper counted the EOS
-                # tokens of rank 0's raw responses, junk after the first EOS included)
-                "ppo/val/num_eos_tokens": accelerator.gather(contain_eos.long()).sum().item(),
-                "ppo/val/response_length": accelerator.gather((sequence_lengths + 1).float()).mean().item(),
+                **update_metrics(accelerator, stats, kl, non_score_reward, scores, logprobs, padding_mask,
+                                 contain_eos, sequence_lengths, validation_score),
                 "ppo/lr": lr_now,
-                "ppo/episode": global_step,
+                "ppo/episode": update * args.batch_size,
                 "ppo/eps": (update - start_update) * args.batch_size / (time.time() - start),
-                **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
-                "time/update": update_seconds,
-                # tokens of the global batch (query + response positions, padding included) per
-                # second of this update, and tokens generated per second of generation (the
-                # validation queries' responses come from the same decodes)
-                "throughput/tokens_per_second": args.batch_size * query_responses.shape[1] / update_seconds,
-                "throughput/generated_tokens_per_second": (args.batch_size + args.local_eval_batch_size * num_processes)
-                                                          * responses.shape[1] / timer.seconds["generation"],
+                # the global batch's query + response positions, and the tokens generated (the validation
+                # queries' responses come from the same decodes)
+                **timer.metrics(tokens=args.batch_size * query_responses.shape[1], generated_tokens=(
+                    args.batch_size + args.local_eval_batch_size * num_processes) * responses.shape[1]),
             }
             if args.ppo.use_adaptive_kl:
                 metrics["objective/kl_coef"] = kl_ctl.value
-                kl_ctl.update(mean_kl, args.batch_size)
+                kl_ctl.update(metrics["objective/kl"], args.batch_size)
         logger.log(metrics, update)
         del (responses, logprobs, ref_logprobs, values, scores, query_responses, postprocessed_responses, rewards,
              advantages, returns, kl, non_score_reward)
@@ -1483,37 +862,12 @@ def main(args: Args) -> None:
             eval_metrics, table = evaluate(accelerator, unwrapped.policy, reward_model, tokenizer, loader, eval_config)
             logger.log({f"eval/{split}/{k}": v for k, v in eval_metrics.items()}, args.num_updates)
             logger.table(f"{split}_table", table)
-            if accelerator.is_main_process:
-                console.print(f"{split}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+            run.print(f"{split}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
 
     # only the policy is saved: a plain causal LM, loadable offline with transformers
-    if args.output_dir:
-        accelerator.wait_for_everyone()
-        state_dict = accelerator.get_state_dict(model)
-        if accelerator.is_main_process:
-            policy_state = {k[len("policy."):]: v for k, v in state_dict.items() if k.startswith("policy.")}
-            policy_module, policy_state = saved_form(unwrapped.policy, policy_state, args.output_dir,
-                                                     lambda: load_policy(args.sft_model_path, tokenizer),
-                                                     args.use_peft)
-            tokenizer.save_pretrained(args.output_dir)
-            policy_module.save_pretrained(args.output_dir, state_dict=policy_state)  # (safetensors)
-            if args.push_to_hub:
-                push_to_hub(args, policy_module, tokenizer, policy_state)
-    if torch.cuda.is_available() and accelerator.is_main_process:
-        console.print(f"peak GPU memory of rank 0: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
-    logger.close()
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-
-
-def push_to_hub(args: Args, model, tokenizer, state_dict) -> None:
-    from huggingface_hub import HfApi
-
-    entity = args.hf_entity or HfApi().whoami()["name"]
-    repo_id = f"{entity}/{args.base_model.replace('/', '_')}__{args.exp_name}__tldr"
-    tokenizer.push_to_hub(repo_id, revision=args.run_name)
-    model.push_to_hub(repo_id, revision=args.run_name, state_dict=state_dict)
-    print(f"pushed https://huggingface.co/{repo_id}/tree/{args.run_name}")
+    run.save(model, tokenizer, unwrapped.policy, functools.partial(load_policy, args.sft_model_path, tokenizer),
+             prefix="policy.")
+    run.finish(logger)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ class Args:
     pretrain_tokens_per_parameter: float = 1.5
     """the pretraining budget of each size: this many tokens per parameter (Chinchilla-style budgets
     grow with size; 20 would be compute-optimal, far beyond a CPU minute). With one budget for all,
-    the larger sizes were no better than tiny-m (README, "the scaling miniature")"""
+    the larger sizes were no better than tiny-m (docs/scaling.md)"""
     pretrain_steps: Optional[int] = None
     """the same number of causal-LM steps for every size instead (0: random init); None: the budget
     of pretrain_tokens_per_parameter"""

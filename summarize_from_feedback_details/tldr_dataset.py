@@ -38,7 +38,8 @@ from datasets import Dataset, DatasetDict, Features, List, Value, disable_progre
 from rich.console import Console  # noqa: E402
 from rich.progress import track  # noqa: E402
 from rich.table import Table  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+
+from summarize_from_feedback_details.run_infra import load_tokenizer  # noqa: E402
 
 CNNDM_BATCHES = ("batch0_cnndm", "cnndm0", "cnndm2")
 SFT_SPLITS = ("train", "validation", "test")
@@ -442,21 +443,6 @@ def process_split(raw: RawSplit, job: _RowJob, num_proc: int, description: str) 
     return out
 
 
-def load_tokenizer(name: str):
-    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="right")
-    if tokenizer.pad_token is None:
-        # Pythia has no pad token: add a dedicated [PAD] (id 50277 fits in its 50304-row embedding)
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    if tokenizer.eos_token is None:
-        raise ValueError(f"tokenizer {name} has no EOS token")
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(f"tokenizer {name}: pad token {tokenizer.pad_token!r} equals EOS; the pad "
-                         "token must be a dedicated token, or EOS could not be learned")
-    if tokenizer.encode(tokenizer.eos_token) != [tokenizer.eos_token_id]:
-        raise ValueError(f"tokenizer {name}: EOS text {tokenizer.eos_token!r} does not encode to its id")
-    return tokenizer
-
-
 def build_datasets(args: Args, tokenizer) -> tuple:
     raw_sft = load_raw(args.sft_dataset, SFT_SPLITS)
     raw_pref = load_raw(args.preference_dataset, PREFERENCE_SOURCE_SPLITS, args.preference_config)
@@ -596,7 +582,7 @@ def print_maxima(stats: dict, console: Console) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def push_to_hub(args: Args, sft: DatasetDict, pref: DatasetDict, output_dir: str) -> None:
+def push_datasets_to_hub(args: Args, sft: DatasetDict, pref: DatasetDict, output_dir: str) -> None:
     from huggingface_hub import HfApi
 
     api = HfApi()
@@ -641,7 +627,7 @@ def run(args: Args, console: Optional[Console] = None) -> dict:
     print_maxima(stats, console)
     console.print(f"wrote {output_dir}/sft, {output_dir}/preference, {output_dir}/dataset_visuals/, {output_dir}/stats.json")
     if args.push_to_hub:
-        push_to_hub(args, sft, pref, output_dir)
+        push_datasets_to_hub(args, sft, pref, output_dir)
     return stats
 
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import (accelerate_launcher, assert_throughput, run_in_process, run_script, run_until_signalled,
                       signal_on_call, stop_and_copy, without_rates)
-from summarize_from_feedback_details import dpo, ppo_left_padding, reward, sft
+from summarize_from_feedback_details import dpo, reward, run_infra, sft
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -273,7 +273,7 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_data
         signal_on_call(patch, dpo, "pair_logprobs", 16)
         with pytest.raises(SystemExit) as stopped:
             run_dpo(tiny_datasets, models_dir, workdir, "stopped", **common)
-    assert stopped.value.code == dpo.CHECKPOINT_EXIT_CODE == 75
+    assert stopped.value.code == run_infra.CHECKPOINT_EXIT_CODE == 75
     assert os.listdir(tmp_path / "stopped") == ["checkpoints"]
     assert os.listdir(tmp_path / "stopped" / "checkpoints") == ["update-0000003"]
     assert [m["step"] for m in read_metrics(workdir, "stopped")] == [6, 12, 18]
@@ -427,27 +427,21 @@ def test_clear_errors(tiny_datasets, models_dir, tmp_path):
     assert "lacks columns" in fails("--label_dataset", os.path.join(data_dir, "sft"))
     assert "does not exist (build it with tldr_dataset.py)" in fails("--label_dataset", "./nope")
     assert "accelerate is not configured for DeepSpeed" in fails("--label_dataset", preference, "--deepspeed")
-    assert "--offload puts the frozen reference on DeepSpeed" in fails("--label_dataset", preference, "--offload")
+    assert "--offload puts the frozen models on DeepSpeed" in fails("--label_dataset", preference, "--offload")
     assert "--beta must be > 0" in fails("--label_dataset", preference, "--beta", "0")
     assert "/no/such/sft does not exist" in fails("--label_dataset", preference, "--sft_model_path", "/no/such/sft")
 
 
 # ---------------------------------------------------------------------------------------------
-# helpers repeated from the other stages on purpose (one self-contained file per stage)
+# algorithm helpers repeated from the other stages on purpose (what can change a result stays in the stage)
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("module,name", [
-    *((sft, n) for n in ("derive_batch_sizes", "clipping_norm", "epoch_permutations", "first_true_indices",
-                         "truncate_response", "forward", "generation_config", "without_stop_ids", "generate",
-                         "looks_local", "load_tokenizer", "load_split_dataset", "disable_dropout",
-                         "enable_gradient_checkpointing", "Logger", "push_to_hub", "rng_state", "set_rng_state",
-                         "find_checkpoint", "Checkpoints", "check_peft_args", "quantization", "with_lora",
-                         "trainable_parameters", "merged_model", "saved_form")),
+    *((sft, n) for n in ("derive_batch_sizes", "epoch_permutations", "first_true_indices", "truncate_response",
+                         "forward", "generation_config", "without_stop_ids", "generate")),
     (reward, "pair_table"),
     (reward, "accuracy_breakdown"),
-    *((ppo_left_padding, n) for n in ("check_model_path", "frozen_dtype", "load_policy", "prepare_frozen",
-                                      "describe_frozen", "reference_policy")),
 ])
 def test_copies_of_other_stages_helpers_are_identical(module, name):
     assert inspect.getsource(getattr(dpo, name)) == inspect.getsource(getattr(module, name))

@@ -166,14 +166,14 @@ def test_cuda_graph_decode_step_samples_what_eager_decode_samples(tokenizer_dir,
     graph skipped for CUDA graphs, one graph for all steps and decodes, the same tokens as the eager
     decode before and after an in-place weight update (what the optimizer does)."""
     from torch._dynamo.utils import counters
-    from summarize_from_feedback_details import ppo_left_padding as ppo
+    from summarize_from_feedback_details import rollout
     model = AutoModelForCausalLM.from_pretrained(random_pythia(SETTINGS["gpu"]["shape"], tokenizer_dir,
                                                                str(tmp_path / "base"))).cuda().eval()
     generator = torch.Generator().manual_seed(0)
     queries = torch.randint(2, 1000, (8, 64), generator=generator).cuda()
     queries[:3, :20] = 1  # [PAD]: left padding
-    groups = [ppo.SamplingGroup(queries[:4], 0.7, 1), ppo.SamplingGroup(queries[4:], 0.7, 2)]
-    compiled_step = ppo.CompiledStep(model, mode="reduce-overhead")
+    groups = [rollout.SamplingGroup(queries[:4], 0.7, 1), rollout.SamplingGroup(queries[4:], 0.7, 2)]
+    compiled_step = rollout.CompiledStep(model, mode="reduce-overhead")
 
     def same(a, b):
         return all(torch.equal(ta, tb) and (la - lb).abs().max() < 1e-3 for (ta, la), (tb, lb) in zip(a, b))
@@ -182,15 +182,15 @@ def test_cuda_graph_decode_step_samples_what_eager_decode_samples(tokenizer_dir,
     seconds = []
     for _ in range(3):
         start = time.time()
-        compiled = ppo.decode(model, groups, 1, 53, compiled_step)
+        compiled = rollout.decode(model, groups, 1, 53, compiled_step)
         torch.cuda.synchronize()
         seconds.append(time.time() - start)
-        assert same(ppo.decode(model, groups, 1, 53), compiled)
+        assert same(rollout.decode(model, groups, 1, 53), compiled)
     assert counters["inductor"]["cudagraph_skips"] == 0 and counters["stats"]["unique_graphs"] == 1
     assert seconds[2] < seconds[0] / 2
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(1.01)
-    assert same(ppo.decode(model, groups, 1, 53), ppo.decode(model, groups, 1, 53, compiled_step))
+    assert same(rollout.decode(model, groups, 1, 53), rollout.decode(model, groups, 1, 53, compiled_step))
     print(f"\n[gpu] decode of 8 x (64 + 53) tokens, compiled step: {seconds[0]:.1f} s with the compile, then "
           f"{seconds[1] * 1000:.0f} / {seconds[2] * 1000:.0f} ms", file=sys.stderr)

@@ -172,7 +172,7 @@ def test_data_only(checkout):
 
 
 def test_own_flags_reach_their_stages_last_and_name_separates_the_run(checkout):
-    """NAME=lora_hello_world PPO_FLAGS=... (the README's LoRA example): PPO alone gets the flags, after
+    """NAME=lora_hello_world PPO_FLAGS=... (docs/lora.md's LoRA example): PPO alone gets the flags, after
     its own (so --lr wins), EXTRA_FLAGS reaches every training stage, and the models, runs and plots
     go under the new name; on the GPU path too."""
     result, calls = run(checkout, 0, NAME="lora_hello_world", PPO_FLAGS="--use_peft --lr 3e-4",
@@ -325,7 +325,7 @@ def test_scaling_submits_the_tiny_chain_where_slurm_answers(slurm_checkout):
     assert calls[0][:2] == ["hello_world.sh", "--data"]
     assert not [c for c in calls[1:] if c[0] == "hello_world.sh"]  # nothing trained here
     jobs = submissions(calls)
-    # per size: sft -> reward -> ppo (afterany, as the README's chain), one array task per seed
+    # per size: sft -> reward -> ppo (afterany, as docs/real_pipeline.md's chain), one array task per seed
     assert [(c[-2], [a for a in c[1:-2] if a.startswith("--dependency")]) for c in jobs] == [
         ("sbatches/sft.sbatch", []), ("sbatches/reward.sbatch", ["--dependency=afterany:101"]),
         ("sbatches/ppo_left_padding.sbatch", ["--dependency=afterany:102"]),

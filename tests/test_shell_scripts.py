@@ -320,7 +320,7 @@ def test_memory_knobs_by_model_size(repo):
 
 
 def test_lora_flags_reach_every_stage_and_6_9b_dpo_offloads_nothing(repo):
-    """EXTRA_FLAGS="--use_peft ..." (the README's LoRA chain): every stage gets the flags; at 6.9b
+    """EXTRA_FLAGS="--use_peft ..." (docs/lora.md's LoRA chain): every stage gets the flags; at 6.9b
     PPO still offloads its frozen reward model, DPO (whose reference is then the policy with its
     adapter disabled) has nothing to offload and is not given --offload, which it would refuse."""
     result, calls = chain(repo, models="EleutherAI/pythia-6.9b-deduped", task=0,

@@ -86,7 +86,7 @@ def test_unknown_size_is_rejected(raw_dir, tmp_path):
 
 
 def test_pretraining_budget_grows_with_size(raw_dir, tmp_path):
-    """Tokens proportional to parameters (README, the scaling miniature): steps = ceil(tokens per
+    """Tokens proportional to parameters (docs/scaling.md): steps = ceil(tokens per
     parameter x parameters / (batch x sequence length)); pretrain_steps overrides it for every size."""
     args = tiny_models.Args()
     assert tiny_models.pretrain_steps(231_168, args) == 170  # 1.5 x 231168 / (16 x 128) = 169.3

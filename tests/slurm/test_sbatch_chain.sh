@@ -42,7 +42,7 @@ cluster_up 1
 WORK=$CLUSTER_WORK
 MEM=$CLUSTER_MEM
 
-# --- 1. data, then the chain exactly as the README shows it ------------------------------------------
+# --- 1. data, then the chain exactly as docs/real_pipeline.md shows it ------------------------------
 log "building the tiny data (./hello_world.sh --data)"
 ./hello_world.sh --data >"$WORK/hello_world_data.log" 2>&1 ||
     { tail -n 30 "$WORK/hello_world_data.log"; die "./hello_world.sh --data"; }

@@ -1,0 +1,117 @@
+"""The rollout engine: batched sampling of `response_length` tokens from a causal LM.
+
+Its contract: each `SamplingGroup` samples exactly what HF `generate` samples for that group alone,
+from the same seed, temperature and `[PAD]` suppression (tested against HF generate on GPT-NeoX and
+GPT-2, greedy included, with any packing of groups into batches). What a run samples is decided by
+the stage: which queries form a group, at which temperature, from which seed. The engine only makes
+it fast: a prefill into a preallocated (static) KV cache, then one token per step through the
+model's own forward, many groups in one batch, and on a GPU the step under torch.compile with CUDA
+graphs (`CompiledStep`). Nothing here changes a result: the engine changes no sample.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+
+@dataclass
+class SamplingGroup:
+    """Queries that sample from one generator at one temperature: a rollout chunk or a chunk of the
+    update's validation queries. The seed depends on the chunk's place in the global batch only."""
+    queries: torch.Tensor
+    temperature: float
+    seed: int
+
+
+def left_pad_batch(queries: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
+    return torch.nn.functional.pad(queries, (width - queries.shape[1], 0), value=pad_id)
+
+
+class CompiledStep:
+    """The one-token decode step of `model` under torch.compile (on a GPU with CUDA graphs, where a
+    small model's step is mostly kernel launches). The captured graph is specialised to the cache
+    tensors it writes, so the static KV cache of each batch shape is kept for the run and reset
+    per decode, and every step gets the full-length attention mask: all steps of a shape share one
+    graph (the causal mask hides the cache slots not yet written). The weights are read at each
+    call: the optimizer's in-place updates reach the next decode."""
+
+    def __init__(self, model, **compile_options):
+        self.forward = torch.compile(model, fullgraph=True, dynamic=False, **compile_options)
+        self.caches = {}
+
+    def cache(self, config, rows: int, length: int) -> StaticCache:
+        if (rows, length) not in self.caches:
+            self.caches[rows, length] = StaticCache(config=config, max_cache_len=length)
+        cache = self.caches[rows, length]
+        cache.reset()
+        return cache
+
+
+@torch.no_grad()
+def decode(model, groups: list, pad_id: int, response_length: int,
+           compiled_step: Optional[CompiledStep] = None) -> list:
+    """Samples `response_length` tokens for every group in one batch: a prefill of the left-padded
+    queries into a preallocated (static) KV cache, then one token per step through the model's own
+    forward (`compiled_step`'s compiled one if given). Returns (responses, logprobs) per group;
+    logprobs are those of the sampled tokens under the distribution they were drawn from, fp32
+    logits / (T + 1e-7) with `[PAD]` at -inf: what `scaled_logits` computes in the training forward
+    (so the first PPO ratio is 1 up to float noise) and exactly HF generate's processed scores. Each
+    group draws with torch.multinomial from its own generator, as HF generate does from the global
+    one: a group samples what HF generate would sample for it alone under torch.manual_seed(seed),
+    whatever else shares the batch."""
+    device = groups[0].queries.device
+    width = max(g.queries.shape[1] for g in groups)
+    queries = torch.cat([left_pad_batch(g.queries, width, pad_id) for g in groups])
+    sizes = [len(g.queries) for g in groups]
+    temperature = torch.tensor([g.temperature for g in groups for _ in range(len(g.queries))], device=device)
+    generators = [torch.Generator(device).manual_seed(g.seed) for g in groups]
+    query_mask = queries != pad_id
+    # the attention mask of the finished sequences: every generated token is real
+    attention_mask = torch.cat([query_mask, query_mask.new_ones(len(queries), response_length)], 1)
+    positions = (query_mask.cumsum(1) - 1).clamp(min=0)
+    step_forward = model
+    # preallocated; under autocast over fp32 weights (mixed precision without DeepSpeed) keys and
+    # values come out in different dtypes, which only a growing cache takes (torch.cat promotes)
+    if torch.is_autocast_enabled(device.type):
+        cache = DynamicCache(config=model.config)
+    elif compiled_step is not None:
+        cache = compiled_step.cache(model.config, len(queries), width + response_length)
+        step_forward = compiled_step.forward
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=width + response_length)
+    output = model(input_ids=queries.masked_fill(~query_mask, 0), attention_mask=attention_mask[:, :width],
+                   position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tokens, logprobs = [], []
+    for step in range(response_length):
+        # a copy: a CUDA graph's output buffer is overwritten by its next replay
+        scores = output.logits[:, -1].to(torch.float32, copy=True)
+        scores[:, pad_id] = float("-inf")  # [PAD] is never sampled
+        scores = scores / (temperature[:, None] + 1e-7)
+        probs = torch.softmax(scores, -1)
+        token = torch.cat([torch.multinomial(rows, 1, generator=generator)
+                           for rows, generator in zip(probs.split(sizes), generators)])
+        tokens.append(token)
+        logprobs.append(scores.gather(1, token) - torch.logsumexp(scores, -1, keepdim=True))
+        if step + 1 < response_length:
+            # a static cache is read in full, so the full mask serves every step (one shape to compile)
+            mask = attention_mask if isinstance(cache, StaticCache) else attention_mask[:, :width + step + 1]
+            if step_forward is not model:
+                torch.compiler.cudagraph_mark_step_begin()
+            output = step_forward(input_ids=token, attention_mask=mask, position_ids=positions[:, -1:] + step + 1,
+                                  past_key_values=cache, use_cache=True)
+    return list(zip(torch.cat(tokens, 1).split(sizes), torch.cat(logprobs, 1).split(sizes)))
+
+
+def decode_in_batches(model, groups: list, pad_id: int, response_length: int, batch_size: int,
+                      compiled_step: Optional[CompiledStep] = None) -> list:
+    """`decode` over consecutive groups packed whole into batches of at most `batch_size` rows (a
+    group larger than that alone): a memory knob that changes no sample."""
+    results, batch = [], []
+    for group in groups:
+        if batch and sum(len(g.queries) for g in batch) + len(group.queries) > batch_size:
+            results += decode(model, batch, pad_id, response_length, compiled_step)
+            batch = []
+        batch.append(group)
+    return results + decode(model, batch, pad_id, response_length, compiled_step)

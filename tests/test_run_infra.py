@@ -1,0 +1,220 @@
+"""The run infrastructure lives once (DESIGN.md sections 1 and 3): the stage files stay readable in one
+sitting, define none of it and repeat none of it; and known answers of the pieces the stages call."""
+
+import ast
+import os
+import pathlib
+import types
+
+import pytest
+import torch
+
+from conftest import run_in_process
+from summarize_from_feedback_details import dpo, ppo_left_padding, reward, run_infra, sft
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "summarize_from_feedback_details"
+STAGES = ("sft", "reward", "dpo", "ppo_left_padding")
+SHARED = ("run_infra", "rollout")
+# lines of the file / of main() (DESIGN.md section 1); PPO's update loop stays in main(), <= 160 lines
+BUDGETS = {"sft": (500, 150), "reward": (600, 150), "dpo": (600, 150), "ppo_left_padding": (950, 230)}
+PPO_LOOP_BUDGET = 160
+# the small algorithm helpers that stay copied in each stage that uses them (what can change a result
+# stays in the stage); the identity tests in test_reward.py, test_dpo.py and test_ppo.py keep the copies equal
+COPIED_ALGORITHM_HELPERS = {"derive_batch_sizes", "epoch_permutations", "first_true_indices", "truncate_response",
+                            "forward", "generation_config", "without_stop_ids", "generate", "get_reward",
+                            "pair_table", "accuracy_breakdown"}
+# names every stage defines for itself (different code under one name)
+OWN_IN_EVERY_STAGE = {"Args", "main", "evaluate"}
+# calls that build run infrastructure: a stage makes none of them itself, it calls run_infra
+INFRASTRUCTURE_CALLS = {"Accelerator", "InitProcessGroupKwargs", "GradientAccumulationPlugin", "broadcast",
+                        "SummaryWriter", "Logger", "Checkpoints", "find_checkpoint", "manual_seed_all",
+                        "save_pretrained", "push_to_hub", "end_training", "signal", "initialize", "get_peft_model",
+                        "from_pretrained", "set_rng_state", "save_state", "load_state"}
+WINDOW = 6  # lines: what counts as a repeated block (the `duplicates` tool's default)
+
+
+def source(name: str) -> str:
+    return (PACKAGE / f"{name}.py").read_text()
+
+
+def top_level(name: str) -> dict:
+    """Top-level functions and classes of a module: name -> AST node."""
+    return {node.name: node for node in ast.parse(source(name)).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+def main_function(name: str) -> ast.FunctionDef:
+    return top_level(name)["main"]
+
+
+def code_lines(text: str) -> list:
+    """The lines that are code: stripped, without blank and comment lines."""
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def windows(lines: list) -> set:
+    return {tuple(lines[i: i + WINDOW]) for i in range(len(lines) - WINDOW + 1)}
+
+
+def node_source(name: str, node) -> str:
+    return "\n".join(source(name).splitlines()[node.lineno - 1: node.end_lineno])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_files_fit_their_readability_budgets(stage):
+    file_budget, main_budget = BUDGETS[stage]
+    lines = len(source(stage).splitlines())
+    main = main_function(stage)
+    assert lines <= file_budget, f"{stage}.py: {lines} lines > {file_budget}"
+    assert main.end_lineno - main.lineno + 1 <= main_budget, f"{stage}.main: {main.end_lineno - main.lineno + 1} lines"
+
+
+def test_ppo_update_loop_is_in_main_and_fits_its_budget():
+    loops = [node for node in main_function("ppo_left_padding").body if isinstance(node, ast.For)]
+    (update_loop,) = [loop for loop in loops if "update" in ast.unparse(loop.target)]
+    assert update_loop.end_lineno - update_loop.lineno + 1 <= PPO_LOOP_BUDGET
+
+
+def infrastructure_calls(text: str) -> set:
+    """The calls in `text` that build run infrastructure."""
+    calls = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+             for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Call)}
+    return calls & INFRASTRUCTURE_CALLS
+
+
+def repeated_infrastructure(text: str) -> set:
+    """The 6-line blocks of the shared modules that stand again in `text`."""
+    shared_blocks = set().union(*(windows(code_lines(source(module))) for module in SHARED))
+    return shared_blocks & windows(code_lines(text))
+
+
+def test_run_infrastructure_is_defined_in_one_file():
+    """A function or class of run_infra.py / rollout.py is defined in no other module of the package;
+    a name defined in two stage files is one of the copied algorithm helpers, which the shared modules
+    do not define, or a stage's own (main, Args, evaluate)."""
+    shared = {name for module in SHARED for name in top_level(module)}
+    others = [p.stem for p in PACKAGE.glob("*.py") if p.stem not in SHARED + ("__init__",)]
+    for module in others:
+        assert not shared & set(top_level(module)), (module, shared & set(top_level(module)))
+    defined_in = {}
+    for stage in STAGES:
+        for name in top_level(stage):
+            defined_in.setdefault(name, []).append(stage)
+    repeated = {name for name, stages in defined_in.items() if len(stages) > 1} - OWN_IN_EVERY_STAGE
+    assert repeated <= COPIED_ALGORITHM_HELPERS, repeated - COPIED_ALGORITHM_HELPERS
+    assert not COPIED_ALGORITHM_HELPERS & shared
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stages_build_no_run_infrastructure_themselves(stage):
+    """No stage constructs the accelerator, the logger, checkpoints, seeds, signals, hub calls, peft
+    wrappers, model loads or saves on its own: those calls live in run_infra.py."""
+    assert not infrastructure_calls(source(stage))
+
+
+def test_no_block_of_run_infrastructure_is_repeated():
+    """No 6 consecutive code lines of the shared modules stand again in a stage file, nor in the other
+    scripts that use them. (The stages' main()s do share a few blocks of their own: the optimizer, the
+    global data order, the loop's head. Those can change a result, so each stage keeps them in sight.)"""
+    for path in [PACKAGE / f"{stage}.py" for stage in STAGES] + [REPO / "visualize_tokens.py",
+                                                                  REPO / "benchmarks" / "ppo_speed.py"]:
+        repeated = repeated_infrastructure(path.read_text())
+        assert not repeated, (path.name, sorted(repeated)[:1])
+
+
+def test_the_checks_can_fail():
+    """A stage with a shared function pasted into it, or building its own Accelerator, is caught."""
+    pasted = source("sft") + "\n\n" + node_source("run_infra", top_level("run_infra")["find_checkpoint"])
+    assert repeated_infrastructure(pasted) and not repeated_infrastructure(source("sft"))
+    assert infrastructure_calls(source("sft") + "\naccelerator = Accelerator()\n") == {"Accelerator"}
+
+
+# ---------------------------------------------------------------------------------------------
+# known answers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_looks_local_known_answers(tmp_path):
+    assert [run_infra.looks_local(p) for p in ("EleutherAI/pythia-1b-deduped", "gpt2", "models/x", "./x", "/abs",
+                                               "~/m", "a/b/c", str(tmp_path))] == \
+        [False, False, False, True, True, True, True, True]
+
+
+def test_phase_timer_metrics_known_answer(monkeypatch):
+    clock = iter([10.0, 11.0, 11.5, 12.0, 14.0, 14.0])  # start, gen in/out, gen in/out, metrics
+    monkeypatch.setattr(run_infra.time, "perf_counter", lambda: next(clock))
+    timer = run_infra.PhaseTimer(torch.device("cpu"))
+    with timer("generation"):
+        pass
+    with timer("generation"):
+        pass
+    metrics = timer.metrics(tokens=400, generated_tokens=100)
+    assert metrics == {"time/generation": 2.5, "time/update": 4.0, "throughput/tokens_per_second": 100.0,
+                       "throughput/generated_tokens_per_second": 40.0}
+
+
+def test_lora_identity_is_part_of_the_checkpoint_identity():
+    assert run_infra.lora_identity(sft.Args()) is None
+    assert run_infra.lora_identity(sft.Args(use_peft=True, lora_r=4)) == [4, 32.0, ["all-linear"], False]
+
+
+@pytest.mark.parametrize("module", [sft, reward, dpo, ppo_left_padding])
+def test_every_stage_has_the_flags_start_run_reads(module):
+    """start_run and Run read these fields of every stage's Args."""
+    args = module.Args()
+    for name in ("exp_name", "seed", "run_name", "deepspeed", "max_grad_norm", "local_micro_batch_size",
+                 "gradient_accumulation_steps", "use_peft", "lora_r", "lora_alpha", "lora_target_modules",
+                 "load_in_4bit", "lora_dropout", "checkpoint_every", "keep_checkpoints", "resume", "output_dir",
+                 "track", "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity", "weight_decay"):
+        assert hasattr(args, name), (module.__name__, name)
+
+
+def test_start_run_names_seeds_and_refuses(tmp_path):
+    """One plain process: the run name from exp_name, seed and rank 0's clock; the per-rank seed of
+    DESIGN section 4 in every stream; the batch arithmetic printed; and the refusals that need no model."""
+    import random
+
+    import numpy as np
+
+    args = sft.Args(seed=7, output_dir=str(tmp_path / "out"))
+    sft.derive_batch_sizes(args, 1, 64)
+
+    def started(args):
+        holder = {}
+        run_in_process(lambda a: holder.setdefault("run", run_infra.start_run(a, {"stage": "sft"})), args, tmp_path)
+        return holder["run"]
+
+    run = started(args)
+    assert args.run_name.startswith("sft__7__") and run.start_update == 0 and run.resumed is None
+    assert run.local_seed == 7 and torch.initial_seed() == 7
+    assert random.random() == random.Random(7).random() and np.random.rand() == np.random.RandomState(7).rand()
+    assert run.identity == {"stage": "sft", "lora": None}
+    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint in"):
+        started(sft.Args(resume=True, output_dir=str(tmp_path / "out"), world_size=1))
+    with pytest.raises(ValueError, match="set --output_dir"):
+        started(sft.Args(checkpoint_every=1, output_dir="", world_size=1))
+    with pytest.raises(ValueError, match="accelerate is not configured for DeepSpeed"):
+        started(sft.Args(deepspeed=True, world_size=1))
+    with pytest.raises(ValueError, match="--load_in_4bit freezes 4-bit base weights"):
+        started(sft.Args(load_in_4bit=True, world_size=1))
+
+
+def test_batch_arithmetic_line(capsys, tmp_path):
+    args = ppo_left_padding.Args(total_episodes=100, local_micro_batch_size=2, gradient_accumulation_steps=4,
+                                 nminibatches=2, local_rollout_forward_batch_size=4)
+    ppo_left_padding.derive_batch_sizes(args, 1)
+    run = run_infra.Run(args, types.SimpleNamespace(is_main_process=True, state=types.SimpleNamespace(
+        deepspeed_plugin=None)), {}, None, 1, None)
+    run.print_batch_arithmetic("episodes", "offload False")
+    printed = " ".join(capsys.readouterr().out.split())
+    assert printed == ("world_size 1 x local_micro_batch_size 2 x gradient_accumulation_steps 4 x nminibatches 2 = "
+                       "batch_size 16 episodes (minibatch 8); 6 updates over 100 episodes (4 left over); "
+                       "weight_decay 0.01; gradient clipping off; offload False")
+
+
+def test_shared_modules_say_why_they_exist():
+    for module in SHARED:
+        doc = ast.get_docstring(ast.parse(source(module)))
+        assert doc and "changes" in doc and "result" in doc, module
+    assert os.path.exists(PACKAGE / "run_infra.py") and os.path.exists(PACKAGE / "rollout.py")
