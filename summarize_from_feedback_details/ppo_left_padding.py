@@ -57,7 +57,7 @@ from transformers import GenerationConfig
 
 from summarize_from_feedback_details.rollout import CompiledStep, SamplingGroup, decode_in_batches
 from summarize_from_feedback_details.run_infra import (PhaseTimer, describe_frozen, enable_gradient_checkpointing,
-                                                       frozen_dtype, load_policy, load_reward_model,
+                                                       frozen_dtype, gather_global, load_policy, load_reward_model,
                                                        load_split_dataset, load_tokenizer, prepare_frozen, quantization,
                                                        reference_policy, start_run, trainable_parameters, with_lora)
 
@@ -508,6 +508,22 @@ def derived_seed(*numbers: int) -> int:
     return seed
 
 
+def minibatch_rows(seed: int, update: int, epoch: int, batch_size: int, nminibatches: int, rank: int,
+                   world_size: int) -> list:
+    """The rows of the global batch (rank r's rollouts at r * local_batch_size, ...) that this process
+    trains on in each minibatch of `epoch`: a fresh permutation of the global batch drawn from
+    (seed, update, epoch) alone, cut into `nminibatches` minibatches, each shared out evenly over the
+    processes. One process and N processes train on the same minibatches (the paper's code permuted
+    each rank's own rollouts with the rank's numpy stream: with nminibatches > 1 the composition of
+    a minibatch depended on the process count)."""
+    generator = torch.Generator().manual_seed(derived_seed(seed, 2, update, epoch))
+    order = torch.randperm(batch_size, generator=generator)
+    mini_batch_size = batch_size // nminibatches
+    local = mini_batch_size // world_size
+    return [order[m * mini_batch_size + rank * local: m * mini_batch_size + (rank + 1) * local]
+            for m in range(nminibatches)]
+
+
 class PolicyAndValueWrapper(torch.nn.Module):
     """Policy and critic as one module, so that one `accelerator.prepare` (one DDP / DeepSpeed
     engine) and one optimizer cover both."""
@@ -605,18 +621,19 @@ def load_models(run, tokenizer) -> tuple:
 
 def update_metrics(accelerator, stats: torch.Tensor, kl, non_score_reward, scores, logprobs, padding_mask,
                    contain_eos, sequence_lengths, validation_score: float) -> dict:
-    """The objective/ and ppo/ metrics of an update over all processes: the rollout's statistics over
-    real tokens, and the PPO epochs' from their per-(epoch, minibatch) sums `stats` (STAT_NAMES)."""
+    """The objective/ and ppo/ metrics of an update: the rollout's statistics over the real tokens of
+    the global batch (the tensors, gathered), and the PPO epochs' from their per-(epoch, minibatch)
+    sums `stats` (STAT_NAMES), reduced over processes."""
     stats = accelerator.reduce(stats, "sum")
     stat = dict(zip(STAT_NAMES, stats.unbind(-1)))
     totals = stats.sum((0, 1))
-    mean_kl = accelerator.gather(kl.sum(1)).mean().item()
-    mean_non_score_reward = accelerator.gather(non_score_reward.sum(1)).mean().item()
-    mean_score = accelerator.gather(scores).mean().item()
+    mean_kl = kl.sum(1).mean().item()
+    mean_non_score_reward = non_score_reward.sum(1).mean().item()
+    mean_score = scores.mean().item()
     return {
         "objective/kl": mean_kl,
         # estimated entropy (sum of -logprob of the sampled tokens) over real tokens only
-        "objective/entropy": accelerator.gather((-logprobs).masked_fill(padding_mask, 0).sum(1)).mean().item(),
+        "objective/entropy": (-logprobs).masked_fill(padding_mask, 0).sum(1).mean().item(),
         "objective/non_score_reward": mean_non_score_reward,
         "objective/rlhf_reward": mean_non_score_reward + mean_score,
         "objective/score_total": mean_non_score_reward + mean_score,  # (the original's name for it)
@@ -637,8 +654,8 @@ def update_metrics(accelerator, stats: torch.Tensor, kl, non_score_reward, score
         "ppo/policy/clipfrac_first_minibatch": (stat["pg_clipfrac"][0, 0] / stat["policy_tokens"][0, 0]).item(),
         # responses that end (with the EOS), over all processes (the paper counted the EOS
         # tokens of rank 0's raw responses, junk after the first EOS included)
-        "ppo/val/num_eos_tokens": accelerator.gather(contain_eos.long()).sum().item(),
-        "ppo/val/response_length": accelerator.gather((sequence_lengths + 1).float()).mean().item(),
+        "ppo/val/num_eos_tokens": contain_eos.long().sum().item(),
+        "ppo/val/response_length": (sequence_lengths + 1).float().mean().item(),
     }
 
 
@@ -780,15 +797,19 @@ def main(args: Args) -> None:
                     rewards = rewards.masked_fill(padding_mask_p1, 0)
                 advantages, returns = compute_advantages(rewards, values, args.ppo.gamma, args.ppo.lam)
                 advantages = masked_whiten(advantages, ~padding_mask, reduce=reduce).masked_fill(padding_mask, 0)
+            # the global batch on every process: a minibatch draws from all of it (minibatch_rows)
+            (query_responses, responses, logprobs, values, advantages, returns, padding_mask, padding_mask_p1, kl,
+             non_score_reward, scores, contain_eos, sequence_lengths) = gather_global(
+                accelerator, query_responses, responses, logprobs, values, advantages, returns, padding_mask,
+                padding_mask_p1, kl, non_score_reward, scores, contain_eos, sequence_lengths)
 
         # ---- PPO epochs -------------------------------------------------------------------
         model.train()
         with timer("ppo_epochs"):
             stats = torch.zeros(args.ppo.noptepochs, args.nminibatches, len(STAT_NAMES), device=device)
             for epoch in range(args.ppo.noptepochs):
-                batch_indices = np.random.permutation(args.local_batch_size)
-                for minibatch, mb_start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
-                    mb_indices = batch_indices[mb_start: mb_start + args.local_mini_batch_size]
+                for minibatch, mb_indices in enumerate(minibatch_rows(args.seed, update, epoch, args.batch_size,
+                                                                      args.nminibatches, rank, num_processes)):
                     if args.ppo.loss_normalization == "minibatch":
                         # real tokens of the whole global minibatch, known before the first backward
                         policy_tokens, value_tokens = accelerator.reduce(torch.stack([

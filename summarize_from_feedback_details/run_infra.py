@@ -446,6 +446,13 @@ class Run:
         self.accelerator.end_training()
 
 
+def gather_global(accelerator: Accelerator, *tensors: torch.Tensor) -> list:
+    """Each tensor gathered over the processes along its first dimension, in rank order: the global
+    batch on every process (one process: the tensors themselves). Bools travel as integers (gloo
+    cannot gather them)."""
+    return [accelerator.gather(t.long()).bool() if t.dtype == torch.bool else accelerator.gather(t) for t in tensors]
+
+
 # ---------------------------------------------------------------------------------------------
 # logs, checkpoints, timing
 # ---------------------------------------------------------------------------------------------

@@ -320,6 +320,23 @@ def test_validation_queries_walk_the_split_and_seeds():
     assert ppo.derived_seed(1, 0, 2, 3) == ppo.derived_seed(1, 0, 2, 3) != ppo.derived_seed(1, 0, 3, 2)
 
 
+def test_minibatch_rows_are_the_same_minibatches_on_any_process_count():
+    """A fresh permutation of the global batch per (seed, update, epoch), cut into minibatches that
+    every process count shares out the same way: rank r of N trains on the r-th slice of each."""
+    one = ppo.minibatch_rows(3, 5, 1, 16, 2, rank=0, world_size=1)
+    expected = torch.randperm(16, generator=torch.Generator().manual_seed(ppo.derived_seed(3, 2, 5, 1)))
+    assert [m.tolist() for m in one] == [expected[:8].tolist(), expected[8:].tolist()]
+    assert sorted(torch.cat(one).tolist()) == list(range(16))  # every row once per epoch
+    for world_size in (2, 4):
+        shares = [ppo.minibatch_rows(3, 5, 1, 16, 2, rank=r, world_size=world_size) for r in range(world_size)]
+        for m in range(2):
+            assert all(len(share[m]) == 8 // world_size for share in shares)
+            assert torch.equal(torch.cat([share[m] for share in shares]), one[m])
+    others = [ppo.minibatch_rows(*key, 16, 2, rank=0, world_size=1) for key in ((3, 5, 2), (3, 6, 1), (4, 5, 1))]
+    assert all(not torch.equal(other[0], one[0]) for other in others)
+    assert all(torch.equal(a, b) for a, b in zip(one, ppo.minibatch_rows(3, 5, 1, 16, 2, rank=0, world_size=1)))
+
+
 def hf_samples(model, queries, temperature, seed, length):
     """What HF generate samples for `queries` alone under torch.manual_seed(seed)."""
     torch.manual_seed(seed)
@@ -799,6 +816,30 @@ def test_two_processes_match_one_process(one_process, two_processes):
     assert "world_size 2" in stdout and len(two) == 4
     assert_same_metrics(metrics, two, RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS)
     assert_same_params(params, two_params, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_minibatches_on_two_processes_match_one_process(tiny_datasets, checkpoints, tmp_path):
+    """With nminibatches 2 a minibatch is half the global batch: its rows come from minibatch_rows,
+    so two processes (each training on its share, drawn from the gathered global batch) take the same
+    optimizer steps as one process. (Before, each process permuted its own rollouts with its own numpy
+    stream: on two processes a minibatch held other rows, and this comparison failed.)"""
+    workdir = str(tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_args = tiny_args(tiny_datasets, checkpoints, workdir, "mb_one", total_episodes=16, nminibatches=2,
+                             local_micro_batch_size=2, gradient_accumulation_steps=2,
+                             local_rollout_forward_batch_size=2, local_eval_batch_size=2, lr=1e-3)
+        one = run_ppo(one_args, workdir)
+    finally:
+        torch.set_num_threads(threads)
+    two_args = variant(one_args, workdir, "mb_two", gradient_accumulation_steps=1, local_eval_batch_size=1)
+    stdout, two = launch(two_args, workdir, 2)
+    assert "x nminibatches 2 = batch_size 8 episodes (minibatch 4)" in " ".join(stdout.split()) and len(two) == 2
+    assert_same_metrics(one, two, RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS)
+    assert_same_params(load_file(os.path.join(workdir, "mb_one", "model.safetensors")),
+                       load_file(os.path.join(workdir, "mb_two", "model.safetensors")), rtol=1e-4, atol=1e-6)
 
 
 def deepspeed_args(one_process, name: str, offload: bool = False) -> ppo.Args:

@@ -154,6 +154,14 @@ def test_phase_timer_metrics_known_answer(monkeypatch):
                        "throughput/generated_tokens_per_second": 40.0}
 
 
+def test_gather_global_on_one_process_returns_the_tensors():
+    accelerator = types.SimpleNamespace(gather=lambda t: t.clone())
+    mask, values = torch.tensor([[True, False]]), torch.tensor([1.5, 2.5])
+    gathered_mask, gathered_values = run_infra.gather_global(accelerator, mask, values)
+    assert gathered_mask.dtype == torch.bool and torch.equal(gathered_mask, mask)
+    assert torch.equal(gathered_values, values)
+
+
 def test_lora_identity_is_part_of_the_checkpoint_identity():
     assert run_infra.lora_identity(sft.Args()) is None
     assert run_infra.lora_identity(sft.Args(use_peft=True, lora_r=4)) == [4, 32.0, ["all-linear"], False]
