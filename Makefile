@@ -20,10 +20,11 @@ $(STAMP): pyproject.toml
 test: install
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -m "not gpu"
 
-# Opt-in, needs CUDA (skipped without): sft, reward, PPO and DPO on one GPU with bf16 and DeepSpeed
+# Opt-in, needs CUDA (skipped without; stops where nvidia-smi lists GPUs torch cannot see): sft, reward, PPO and DPO on one GPU with bf16 and DeepSpeed
 # ZeRO-2 at Pythia-410m's shape; prints seconds per update and peak GPU memory.
 .PHONY: test-gpu
 test-gpu: install
+	$(PY) -m summarize_from_feedback_details.check_gpu
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -s -rs -m gpu
 
 clean:

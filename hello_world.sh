@@ -112,6 +112,17 @@ PY=.venv/bin/python
 if [[ $TINY == 1 ]]; then
     export HF_HUB_OFFLINE=1
 fi
+# GPUs that nvidia-smi lists but torch cannot see (a CPU build of torch, or a CUDA build newer than
+# the driver) would turn a GPU run into a CPU run: the real pipeline stops and says why; the embedded
+# default runs on the CPU, saying so
+if ! gpu_problem=$($PY -m summarize_from_feedback_details.check_gpu 2>&1); then
+    if [[ $TINY == 0 ]]; then
+        echo "error: $gpu_problem" >&2
+        exit 2
+    fi
+    echo "warning: $gpu_problem; the embedded default runs on the CPU"
+    export ACCELERATE_USE_CPU=1
+fi
 
 # run_stage NAME OUTPUT COMMAND...: skipped when OUTPUT exists (each stage writes it last or atomically)
 run_stage() {

@@ -55,7 +55,7 @@ from rich.progress import track
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig
 
-from summarize_from_feedback_details.rollout import CompiledStep, SamplingGroup, decode_in_batches
+from summarize_from_feedback_details.rollout import CompiledStep, SamplingGroup, decode_in_batches, decode_path
 from summarize_from_feedback_details.run_infra import (PhaseTimer, describe_frozen, enable_gradient_checkpointing,
                                                        frozen_dtype, gather_global, load_policy, load_reward_model,
                                                        load_split_dataset, load_tokenizer, prepare_frozen, quantization,
@@ -190,6 +190,9 @@ class Args:
     """the newest checkpoints to keep"""
     resume: bool = False
     """continue from the newest checkpoint (the same stage, seed and batch arithmetic; any process count)"""
+    accept_changed_settings: bool = False
+    """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
+    from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
 
     # tracking and output
     track: bool = False
@@ -700,8 +703,9 @@ def main(args: Args) -> None:
     ref_policy = prepare_frozen(ref_policy, args, accelerator)
     reward_model = prepare_frozen(reward_model, args, accelerator)
     unwrapped = accelerator.unwrap_model(model)
-    use_compiled_step = args.compile_decode and accelerator.device.type == "cuda"
+    use_compiled_step, why = decode_path(args.compile_decode, accelerator.device, accelerator.native_amp)
     compiled_step = CompiledStep(unwrapped.policy, mode="reduce-overhead") if use_compiled_step else None
+    run.print(f"decode: {why}")
     # per-update validation: global eval batch u is validation_order[u * G : (u + 1) * G] (wrapping),
     # rank r taking its r-th slice of local_eval_batch_size, so every update scores new queries
     validation = dataset["validation"].with_format("torch", columns=list(QUERY_COLUMNS))

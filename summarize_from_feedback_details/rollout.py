@@ -9,6 +9,7 @@ model's own forward, many groups in one batch, and on a GPU the step under torch
 graphs (`CompiledStep`). Nothing here changes a result: the engine changes no sample.
 """
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,11 +36,14 @@ class CompiledStep:
     tensors it writes, so the static KV cache of each batch shape is kept for the run and reset
     per decode, and every step gets the full-length attention mask: all steps of a shape share one
     graph (the causal mask hides the cache slots not yet written). The weights are read at each
-    call: the optimizer's in-place updates reach the next decode."""
+    call: the optimizer's in-place updates reach the next decode. A batch shape's first compiled
+    decode that raises gives the step up for the run (`give_up`; `decode` then runs eagerly)."""
 
     def __init__(self, model, **compile_options):
         self.forward = torch.compile(model, fullgraph=True, dynamic=False, **compile_options)
         self.caches = {}
+        self.shapes_run = set()  # batch shapes whose compiled decode has completed
+        self.failure = None  # why the compiled step was given up
 
     def cache(self, config, rows: int, length: int) -> StaticCache:
         if (rows, length) not in self.caches:
@@ -48,10 +52,57 @@ class CompiledStep:
         cache.reset()
         return cache
 
+    def give_up(self, error: Exception) -> None:
+        """After a failed first compiled decode (on a GPU node without the C compiler, Python headers
+        or libcuda that Triton needs at first use, say): dynamo's state reset, the caches freed, and
+        one warning that says why."""
+        while getattr(error, "inner_exception", None) or error.__cause__:  # dynamo wraps the compiler's error
+            error = getattr(error, "inner_exception", None) or error.__cause__
+        message = str(error).strip().splitlines()
+        self.failure = f"{type(error).__name__}: {message[0][:300] if message else ''}"
+        self.caches.clear()
+        torch._dynamo.reset()
+        warnings.warn(f"the compiled decode step failed ({self.failure}); decoding eagerly from here on, which "
+                      "samples the same tokens, more slowly", RuntimeWarning, stacklevel=3)
+
+
+def decode_path(compile_decode: bool, device: torch.device, autocast: bool) -> tuple:
+    """(whether the run decodes with a `CompiledStep`, why): printed at start-up."""
+    if not compile_decode:
+        return False, "eager (--no-compile_decode)"
+    if device.type != "cuda":
+        return False, "eager (CUDA graphs need a GPU)"
+    if autocast:
+        return False, ("eager (mixed precision by autocast over fp32 weights: keys and values in two dtypes need "
+                       "a growing KV cache, which a CUDA graph cannot hold)")
+    return True, ("torch.compile with CUDA graphs, one graph per batch shape (the first update pays the compile; "
+                  "a compile error falls back to eager with a warning)")
+
 
 @torch.no_grad()
 def decode(model, groups: list, pad_id: int, response_length: int,
            compiled_step: Optional[CompiledStep] = None) -> list:
+    """`sample_batch` with `compiled_step`'s compiled forward where it can serve: not under autocast
+    (which needs a growing cache), not after it was given up. The first compiled decode of a batch
+    shape, where compilation happens, falls back to the eager decode on any error (`give_up`)."""
+    if compiled_step is None or compiled_step.failure is not None or torch.is_autocast_enabled(
+            groups[0].queries.device.type):
+        return sample_batch(model, groups, pad_id, response_length)
+    shape = (sum(len(g.queries) for g in groups), max(g.queries.shape[1] for g in groups) + response_length)
+    if shape in compiled_step.shapes_run:
+        return sample_batch(model, groups, pad_id, response_length, compiled_step)
+    try:
+        results = sample_batch(model, groups, pad_id, response_length, compiled_step)
+    except Exception as error:  # any failure of the compiler or of the toolchain it calls
+        compiled_step.give_up(error)
+        return sample_batch(model, groups, pad_id, response_length)
+    compiled_step.shapes_run.add(shape)
+    return results
+
+
+@torch.no_grad()
+def sample_batch(model, groups: list, pad_id: int, response_length: int,
+                 compiled_step: Optional[CompiledStep] = None) -> list:
     """Samples `response_length` tokens for every group in one batch: a prefill of the left-padded
     queries into a preallocated (static) KV cache, then one token per step through the model's own
     forward (`compiled_step`'s compiled one if given). Returns (responses, logprobs) per group;
@@ -81,8 +132,13 @@ def decode(model, groups: list, pad_id: int, response_length: int,
         step_forward = compiled_step.forward
     else:
         cache = StaticCache(config=model.config, max_cache_len=width + response_length)
+    # (`cache=`: transformers 5.24 renamed `past_key_values=`; a keyword a model ignores would decode
+    # without a cache, so the prefill must have filled it)
     output = model(input_ids=queries.masked_fill(~query_mask, 0), attention_mask=attention_mask[:, :width],
-                   position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                   position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+    if int(cache.get_seq_length()) != width:
+        raise RuntimeError(f"{type(model).__name__} did not fill the KV cache in the prefill ({int(cache.get_seq_length())}"
+                           f" of {width} positions): this transformers version does not take `cache=`")
     tokens, logprobs = [], []
     for step in range(response_length):
         # a copy: a CUDA graph's output buffer is overwritten by its next replay
@@ -100,7 +156,7 @@ def decode(model, groups: list, pad_id: int, response_length: int,
             if step_forward is not model:
                 torch.compiler.cudagraph_mark_step_begin()
             output = step_forward(input_ids=token, attention_mask=mask, position_ids=positions[:, -1:] + step + 1,
-                                  past_key_values=cache, use_cache=True)
+                                  cache=cache, use_cache=True)
     return list(zip(torch.cat(tokens, 1).split(sizes), torch.cat(logprobs, 1).split(sizes)))
 
 

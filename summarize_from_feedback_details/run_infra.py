@@ -27,13 +27,13 @@ where the reader sees it.
 """
 
 import contextlib
-import copy
 import json
 import os
 import platform
 import random
 import shutil
 import signal
+import subprocess
 import time
 from dataclasses import asdict
 from typing import Optional
@@ -209,17 +209,16 @@ def trainable_parameters(model) -> str:
 
 
 def merged_model(model, load_base):
-    """A plain transformers model: `model`'s LoRA adapter (peft) merged into a copy of its weights,
-    `model` untouched (peft's merge_and_unload rewrites the model it is given). Over 4-bit base
-    weights the adapter goes onto the full-precision base, `load_base()`: merging into 4-bit
-    weights would round most of it away."""
+    """A plain transformers model: `model`'s LoRA adapter (peft) merged into its base as loaded from
+    disk in full precision, `load_base()`. Merging into the weights the run holds would round the
+    adapter's update away where they are low-precision: most of it over 4-bit NF4 weights, and under
+    DeepSpeed bf16 (whose engine holds the module in bf16) about a third of an update of std 1e-4
+    on weights of std 0.02. `model` is untouched (peft's merge_and_unload rewrites its model)."""
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
-    if getattr(model.get_base_model(), "is_loaded_in_4bit", False):
-        full = get_peft_model(load_base(), model.peft_config["default"])
-        set_peft_model_state_dict(full, get_peft_model_state_dict(model))
-        return full.merge_and_unload()
-    return copy.deepcopy(model).merge_and_unload()
+    full = get_peft_model(load_base(), model.peft_config["default"])
+    set_peft_model_state_dict(full, get_peft_model_state_dict(model))
+    return full.merge_and_unload()
 
 
 def saved_form(model, state_dict: dict, output_dir: str, load_base, use_peft: bool) -> tuple:
@@ -304,9 +303,76 @@ def clipping_norm(max_grad_norm: Optional[float]) -> Optional[float]:
     return max_grad_norm if max_grad_norm is not None and max_grad_norm > 0 else None
 
 
+# the oldest NVIDIA driver (Linux) that runs a CUDA major version's builds (CUDA 12's minor-version
+# compatibility covers 12.0-12.9 from R525)
+MINIMUM_DRIVER = {12: 525, 13: 580}
+
+
+def nvidia_smi_gpus() -> list:
+    """(name, driver version) of each GPU nvidia-smi lists; none where it is missing or fails."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if listed.returncode:
+        return []
+    return [tuple(part.strip() for part in line.rsplit(",", 1)) for line in listed.stdout.splitlines() if line.strip()]
+
+
+def cuda_problem() -> Optional[str]:
+    """Why this process would run on the CPU although the node has GPUs: nvidia-smi lists some that
+    torch cannot see (a CPU build of torch, or a CUDA build newer than the driver). None where torch
+    sees a GPU, nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them on purpose."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.cuda.is_available() or (hidden is not None and hidden.strip() in ("", "-1")):
+        return None
+    gpus = nvidia_smi_gpus()
+    if not gpus:
+        return None
+    name, driver = gpus[0] if len(gpus[0]) == 2 else (gpus[0][0], "unknown")
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is a CPU build"
+    else:
+        major = int(torch.version.cuda.split(".")[0])
+        why = (f"torch {torch.__version__} is built for CUDA {torch.version.cuda}, which needs NVIDIA driver "
+               f"{MINIMUM_DRIVER.get(major, '(see NVIDIA)')} or newer, and this node's driver is {driver}")
+    return (f"nvidia-smi lists {len(gpus)} GPU(s) ({name}, driver {driver}) but torch sees none: {why}. Install a "
+            "torch built for a CUDA this driver runs (docs/real_pipeline.md, the driver requirement), or set "
+            "ACCELERATE_USE_CPU=1 to run on the CPU on purpose")
+
+
 def lora_identity(args) -> Optional[list]:
     """The LoRA settings a checkpoint of adapters over frozen weights resumes only with."""
     return [args.lora_r, args.lora_alpha, args.lora_target_modules, args.load_in_4bit] if args.use_peft else None
+
+
+# Args a resumed run may change: memory and speed knobs (they change no result), and how the run is
+# launched, logged and saved; every other field must be the checkpoint's (--accept_changed_settings)
+RESUME_MAY_CHANGE = {"world_size", "local_micro_batch_size", "gradient_accumulation_steps", "local_batch_size",
+                     "local_mini_batch_size", "local_eval_batch_size", "local_generation_batch_size",
+                     "gradient_checkpointing", "deepspeed", "offload", "compile_decode", "resume", "checkpoint_every",
+                     "keep_checkpoints", "accept_changed_settings", "run_name", "exp_name", "track",
+                     "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity", "output_dir",
+                     "print_sample_output_freq", "run_eval"}
+
+
+def run_settings(args) -> dict:
+    """The Args that decide the run's results (all but RESUME_MAY_CHANGE), as JSON values: a checkpoint
+    records them, and a resumed run must keep them."""
+    return {k: v for k, v in json.loads(json.dumps(asdict(args))).items() if k not in RESUME_MAY_CHANGE}
+
+
+def changed_settings(saved: dict, current: dict, prefix: str = "") -> list:
+    """'<name> <value there>, <value here>' for each setting that differs (nested Args as a.b)."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        there, here = saved.get(key), current.get(key)
+        if isinstance(there, dict) and isinstance(here, dict):
+            changes += changed_settings(there, here, f"{prefix}{key}.")
+        elif there != here:
+            changes.append(f"{prefix}{key} {there!r} there, {here!r} here")
+    return changes
 
 
 def start_run(args, identity: dict, generates: bool = False) -> "Run":
@@ -318,6 +384,9 @@ def start_run(args, identity: dict, generates: bool = False) -> "Run":
     run; any process count), the run name (rank 0's clock, broadcast so every rank logs under one
     name; a resumed run keeps its own) and the per-rank seeds of DESIGN section 4. A stage that
     `generates` from the trained model's unwrapped module refuses ZeRO-3 for it."""
+    problem = cuda_problem()
+    if problem and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes"):
+        raise RuntimeError(problem)  # a GPU run would otherwise run on the CPU, without a word
     distributed_cpu = "WORLD_SIZE" in os.environ and not torch.cuda.is_available()
     kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else []
     accelerator = Accelerator(
@@ -345,11 +414,20 @@ def start_run(args, identity: dict, generates: bool = False) -> "Run":
         deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.local_micro_batch_size
         deepspeed_plugin.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
         deepspeed_plugin.deepspeed_config["gradient_clipping"] = clip_norm or 0.0
+        if deepspeed_plugin.zero_stage >= 1:
+            # gradients accumulate over micro-batches in fp32, also with bf16 weights: accumulated in
+            # bf16, 16 x 1 and 1 x 16 micro-batches gave updates 5e-3 apart (the memory knobs changed it)
+            deepspeed_plugin.deepspeed_config["data_types"] = {"grad_accum_dtype": "fp32"}
     identity = {**identity, "lora": lora_identity(args)}
     if (args.resume or args.checkpoint_every) and not args.output_dir:
         raise ValueError("--resume and --checkpoint_every keep checkpoints in <output_dir>/checkpoints: set --output_dir")
     resumed = (find_checkpoint(args.output_dir, identity, args.world_size, deepspeed_plugin is not None)
                if args.resume else None)
+    saved_settings = resumed[1].get("settings") if resumed else None  # (older checkpoints have none)
+    changes = changed_settings(saved_settings, run_settings(args)) if saved_settings is not None else []
+    if changes and not args.accept_changed_settings:
+        raise ValueError(f"{resumed[0]} was written with other settings: {'; '.join(changes)}. Resume with the "
+                         "checkpoint's flags, or add --accept_changed_settings to continue with these")
     stamp = broadcast(torch.tensor(int(time.time()), device=accelerator.device), 0).item()
     args.run_name = resumed[1]["run_name"] if resumed else args.run_name or f"{args.exp_name}__{args.seed}__{stamp}"
     local_seed = args.seed + accelerator.process_index * 100003
@@ -357,7 +435,7 @@ def start_run(args, identity: dict, generates: bool = False) -> "Run":
     np.random.seed(local_seed)
     torch.manual_seed(local_seed)
     torch.backends.cudnn.deterministic = True
-    return Run(args, accelerator, identity, resumed, local_seed, clip_norm)
+    return Run(args, accelerator, identity, resumed, local_seed, clip_norm, changes)
 
 
 class Run:
@@ -365,9 +443,9 @@ class Run:
     bracket the training loop."""
 
     def __init__(self, args, accelerator: Accelerator, identity: dict, resumed: Optional[tuple], local_seed: int,
-                 clip_norm: Optional[float]):
+                 clip_norm: Optional[float], changed_settings: list = ()):
         self.args, self.accelerator, self.identity, self.resumed = args, accelerator, identity, resumed
-        self.local_seed, self.clip_norm = local_seed, clip_norm
+        self.local_seed, self.clip_norm, self.changed_settings = local_seed, clip_norm, list(changed_settings)
         self.deepspeed = accelerator.state.deepspeed_plugin is not None
         self.start_update = resumed[1]["update"] if resumed else 0
         # what the stage asked the checkpoints to keep (reward/dpo: the pairs trained on so far)
@@ -400,12 +478,17 @@ class Run:
         scheduler, a KL controller), restored from the checkpoint being resumed, and the `Logger`,
         continuing that checkpoint's logs."""
         if self.deepspeed:  # what the engine really got
+            weights, accumulation = model.get_data_types()
             self.print(f"DeepSpeed engine: ZeRO-{model.zero_optimization_stage()}, "
-                       f"gradient_clipping {model.gradient_clipping()}")
+                       f"gradient_clipping {model.gradient_clipping()}, weights {weights}, "
+                       f"gradients accumulated in {accumulation}")
         checkpoints = Checkpoints(self.args, self.accelerator, model, optimizer, objects, self.identity)
         if self.resumed:
             checkpoints.load(*self.resumed)
             self.print(f"resumed run {self.args.run_name} from {self.resumed[0]} at update {self.start_update}")
+            if self.changed_settings:
+                self.print(f"[bold yellow]WARNING: resumed with changed settings (--accept_changed_settings): "
+                           f"{'; '.join(self.changed_settings)}")
         logger = Logger(self.args, self.accelerator, resume=self.resumed[1]["logger"] if self.resumed else None)
         return checkpoints, logger
 
@@ -577,7 +660,8 @@ class Checkpoints:
     resume), the `objects`
     (learning-rate scheduler, KL controller), every rank's RNG streams, and `trainer_state.json`: the
     update reached (the data position follows from the global order), the run name, where the logs
-    stand, the stage's `records`, and the `identity` a resume must match. It is written aside and
+    stand, the stage's `records`, the `identity` a resume must match and the run's settings (the Args
+    that decide its results), which a resume must keep unless told otherwise. It is written aside and
     renamed into place, so a run killed while writing keeps the previous one; the newest `keep` stay.
     SIGTERM and SIGUSR1 (what Slurm sends before a preemption or the time limit) ask for a checkpoint
     at the end of the current update, after which the run exits with CHECKPOINT_EXIT_CODE."""
@@ -585,6 +669,7 @@ class Checkpoints:
     def __init__(self, args, accelerator: Accelerator, model, optimizer, objects: list, identity: dict):
         self.folder = os.path.join(args.output_dir, "checkpoints") if args.output_dir else None
         self.every, self.keep, self.identity = args.checkpoint_every, args.keep_checkpoints, identity
+        self.settings = run_settings(args)
         self.accelerator, self.model, self.optimizer, self.objects = accelerator, model, optimizer, objects
         self.deepspeed = accelerator.state.deepspeed_plugin is not None
         self.signal = None
@@ -657,7 +742,7 @@ class Checkpoints:
             torch.save(rng_state(), os.path.join(partial, f"rng_rank{self.accelerator.process_index}.pt"))
         if main:
             with open(os.path.join(partial, "trainer_state.json"), "w") as f:
-                json.dump({"identity": self.identity, "update": update, "run_name": run_name,
+                json.dump({"identity": self.identity, "settings": self.settings, "update": update, "run_name": run_name,
                            "world_size": self.accelerator.num_processes, "deepspeed": self.deepspeed,
                            "logger": logger.state(), "records": records}, f)
         self.accelerator.wait_for_everyone()

@@ -109,6 +109,9 @@ class Args:
     """the newest checkpoints to keep"""
     resume: bool = False
     """continue from the newest checkpoint (the same stage, seed and batch arithmetic; any process count)"""
+    accept_changed_settings: bool = False
+    """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
+    from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
 
     # tracking and output
     track: bool = False

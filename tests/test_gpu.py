@@ -159,6 +159,14 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
 
 
 @pytest.mark.gpu
+def test_torch_sees_the_gpus_nvidia_smi_lists():
+    """Not skipped without CUDA: where nvidia-smi lists GPUs that torch cannot see (a CPU build, or a
+    CUDA build newer than the driver), `make test-gpu` fails and says why instead of skipping."""
+    from summarize_from_feedback_details import run_infra
+    assert run_infra.cuda_problem() is None, run_infra.cuda_problem()
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_cuda_graph_decode_step_samples_what_eager_decode_samples(tokenizer_dir, tmp_path):
     """ppo_left_padding's compiled decode step as the stage builds it on a GPU (torch.compile with

@@ -21,6 +21,9 @@ RECORDER = """#!/usr/bin/env python3
 import json, os, sys
 with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps([os.path.basename(sys.argv[0])] + sys.argv[1:]) + "\\n")
+if "summarize_from_feedback_details.check_gpu" in sys.argv and os.environ.get("GPU_PROBLEM"):
+    print(os.environ["GPU_PROBLEM"], file=sys.stderr)
+    sys.exit(1)
 if "--output_dir" in sys.argv:
     out = sys.argv[sys.argv.index("--output_dir") + 1]
     os.makedirs(out, exist_ok=True)
@@ -115,6 +118,19 @@ def test_real_pipeline_knobs_and_errors(checkout):
     assert result.returncode == 2 and "needs GPUs" in result.stderr
 
 
+def test_gpus_that_torch_cannot_see_stop_the_real_pipeline(checkout):
+    """check_gpu fails (nvidia-smi lists GPUs, torch sees none): the real pipeline stops with its
+    reason before any stage; the embedded default runs on the CPU, saying so."""
+    problem = "nvidia-smi lists 8 GPU(s) (H100, driver 535.104.05) but torch sees none: torch is a CPU build"
+    result, calls = run(checkout, 8, MODEL="EleutherAI/pythia-1b-deduped", GPU_PROBLEM=problem)
+    assert result.returncode == 2 and f"error: {problem}" in result.stderr and not stage_calls(calls, ".py")
+    assert ["python", "-m", "summarize_from_feedback_details.check_gpu"] in calls
+    result, calls = run(checkout, 8, GPU_PROBLEM=problem)
+    assert result.returncode == 0, result.stderr
+    assert f"warning: {problem}; the embedded default runs on the CPU" in result.stdout
+    assert len(stage_calls(calls, "sft.py")) == 2
+
+
 def test_gpu_count_honours_cuda_visible_devices(checkout):
     def processes(**env):
         shutil.rmtree(checkout / "models", ignore_errors=True)
@@ -164,7 +180,8 @@ def test_finished_stages_are_skipped_and_force_reruns(checkout):
 def test_data_only(checkout):
     result, calls = run(checkout, 0, "--data")
     assert result.returncode == 0, result.stderr
-    assert [c[2] if c[1] == "-m" else c[1] for c in calls[1:]] == [
+    assert calls[1] == ["python", "-m", "summarize_from_feedback_details.check_gpu"]  # after make install
+    assert [c[2] if c[1] == "-m" else c[1] for c in calls[2:]] == [
         "summarize_from_feedback_details.synthetic_tldr", "summarize_from_feedback_details.tiny_models",
         "summarize_from_feedback_details/tldr_dataset.py"]
     result, _ = run(checkout, 8, "--data", MODEL="EleutherAI/pythia-1b-deduped")

@@ -414,6 +414,61 @@ def test_compiled_decode_step_samples_what_eager_decode_samples(one_thread):
     torch._dynamo.reset()
 
 
+def test_a_compile_that_fails_falls_back_to_the_eager_decode(one_thread):
+    """A compiled step whose compiler fails (as Triton does on a GPU node without a C compiler, the
+    Python headers or libcuda): the decode falls back to the eager one, which samples the same
+    tokens, with one warning that says why, and the step is given up for the run (no second
+    compile, no second warning, its caches freed)."""
+    import warnings
+    compiles = []
+
+    def failing_backend(graph_module, example_inputs):
+        compiles.append(1)
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    torch._dynamo.reset()
+    model = tiny_lm()
+    rows = torch.randint(2, 40, (5, 9), generator=torch.Generator().manual_seed(1))
+    rows[1, :3] = PAD
+    groups = [rollout.SamplingGroup(rows[:3], 0.7, 11), rollout.SamplingGroup(rows[3:], 1.0, 12)]
+    compiled_step = rollout.CompiledStep(model, backend=failing_backend)
+    eager = rollout.decode(model, groups, PAD, 12)
+    with pytest.warns(RuntimeWarning, match=r"compiled decode step failed \(RuntimeError: Failed to find C compiler"):
+        fell_back = rollout.decode(model, groups, PAD, 12, compiled_step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = rollout.decode_in_batches(model, groups, PAD, 12, 3, compiled_step)
+    for a, b, c in zip(eager, fell_back, again, strict=True):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[0], c[0]) and torch.equal(a[1], b[1])
+    assert len(compiles) == 1 and compiled_step.failure.startswith("RuntimeError") and not compiled_step.caches
+    torch._dynamo.reset()
+
+
+def test_decode_path_says_which_decode_runs_and_why():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert rollout.decode_path(True, cuda, autocast=False)[0]
+    assert rollout.decode_path(True, cuda, autocast=False)[1].startswith("torch.compile with CUDA graphs")
+    assert rollout.decode_path(False, cuda, autocast=False) == (False, "eager (--no-compile_decode)")
+    assert rollout.decode_path(True, cpu, autocast=False) == (False, "eager (CUDA graphs need a GPU)")
+    assert rollout.decode_path(True, cuda, autocast=True)[1].startswith("eager (mixed precision by autocast")
+
+
+def test_a_model_that_ignores_the_cache_keyword_is_an_error():
+    """transformers 5.24 renamed `past_key_values=` to `cache=`; a model that took neither would decode
+    without its cache (every step would see one token): the prefill must have filled the cache."""
+    class IgnoresCache(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.config = model, model.config
+
+        def forward(self, cache=None, **kwargs):
+            return self.model(**kwargs)
+
+    queries = torch.tensor([[PAD, 5, 6], [7, 8, 9]])
+    with pytest.raises(RuntimeError, match="did not fill the KV cache in the prefill"):
+        rollout.decode(IgnoresCache(tiny_lm()), [rollout.SamplingGroup(queries, 1.0, 0)], PAD, 4)
+
+
 def test_pad_is_never_sampled_and_generation_logprobs_are_the_training_logprobs(one_thread):
     """At T=1 a random 40-token model would sample [PAD] ~10 times in 400 draws; it never does.
     The logprobs taken from generation equal a training-style forward with the same temperature

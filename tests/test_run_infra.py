@@ -173,7 +173,8 @@ def test_every_stage_has_the_flags_start_run_reads(module):
     args = module.Args()
     for name in ("exp_name", "seed", "run_name", "deepspeed", "max_grad_norm", "local_micro_batch_size",
                  "gradient_accumulation_steps", "use_peft", "lora_r", "lora_alpha", "lora_target_modules",
-                 "load_in_4bit", "lora_dropout", "checkpoint_every", "keep_checkpoints", "resume", "output_dir",
+                 "load_in_4bit", "lora_dropout", "checkpoint_every", "keep_checkpoints", "resume", "accept_changed_settings",
+                 "output_dir",
                  "track", "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity", "weight_decay"):
         assert hasattr(args, name), (module.__name__, name)
 
@@ -226,3 +227,57 @@ def test_shared_modules_say_why_they_exist():
         doc = ast.get_docstring(ast.parse(source(module)))
         assert doc and "changes" in doc and "result" in doc, module
     assert os.path.exists(PACKAGE / "run_infra.py") and os.path.exists(PACKAGE / "rollout.py")
+
+
+def fake_nvidia_smi(tmp_path, monkeypatch, lines: str) -> None:
+    """An nvidia-smi on PATH that lists `lines` (name, driver version per line)."""
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    script = tmp_path / "bin" / "nvidia-smi"
+    script.write_text("#!/bin/sh\nprintf '" + lines + "'\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+
+
+def test_gpus_that_torch_cannot_see_stop_a_run(tmp_path, monkeypatch):
+    """nvidia-smi lists GPUs but this torch (a CPU build here) sees none: cuda_problem says why, and
+    start_run refuses to start unless ACCELERATE_USE_CPU=1 asks for the CPU. No nvidia-smi, or
+    GPUs hidden on purpose by CUDA_VISIBLE_DEVICES: no problem."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert run_infra.nvidia_smi_gpus() == [] and run_infra.cuda_problem() is None
+    fake_nvidia_smi(tmp_path, monkeypatch, "NVIDIA H100 80GB HBM3, 535.104.05\\nNVIDIA H100 80GB HBM3, 535.104.05\\n")
+    assert run_infra.nvidia_smi_gpus() == [("NVIDIA H100 80GB HBM3", "535.104.05")] * 2
+    problem = run_infra.cuda_problem()
+    assert problem.startswith("nvidia-smi lists 2 GPU(s) (NVIDIA H100 80GB HBM3, driver 535.104.05) but torch "
+                              "sees none: torch ") and "is a CPU build" in problem and "ACCELERATE_USE_CPU=1" in problem
+    monkeypatch.setattr(run_infra.torch.version, "cuda", "13.0")
+    assert "built for CUDA 13.0, which needs NVIDIA driver 580 or newer, and this node's driver is 535.104.05" in \
+        run_infra.cuda_problem()
+    args = sft.Args(world_size=1, output_dir=str(tmp_path / "out"))
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    with pytest.raises(RuntimeError, match="torch sees none"):
+        run_in_process(lambda a: run_infra.start_run(a, {}), args, tmp_path)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    run_in_process(lambda a: run_infra.start_run(a, {}), args, tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert run_infra.cuda_problem() is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    check = subprocess.run([sys.executable, "-m", "summarize_from_feedback_details.check_gpu"], capture_output=True,
+                           text=True)
+    assert check.returncode == 1 and "torch sees none" in check.stderr
+
+
+def test_changed_settings_known_answer():
+    """What a resume compares: every Args field but the memory knobs and the run's plumbing, nested
+    dataclasses (PPO's --ppo.*) field by field."""
+    args = ppo_left_padding.Args()
+    saved = run_infra.run_settings(args)
+    assert "lr" in saved and "sft_model_path" in saved and saved["ppo"]["kl_coef"] == 0.05
+    assert not {"local_micro_batch_size", "gradient_accumulation_steps", "resume", "run_name", "track"} & set(saved)
+    changed = ppo_left_padding.Args(lr=1e-5, local_micro_batch_size=8, run_name="other")
+    changed.ppo.kl_coef = 0.1
+    assert run_infra.changed_settings(saved, run_infra.run_settings(changed)) == [
+        "lr 3e-06 there, 1e-05 here", "ppo.kl_coef 0.05 there, 0.1 here"]

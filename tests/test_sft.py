@@ -19,6 +19,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "sft.py")
 DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu.yaml")
 DS_ZERO3_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero3_cpu.yaml")
+# the paper's GPU setting (ZeRO-2, bf16) on CPU processes
+DS_BF16_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu_bf16.yaml")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,8 +193,9 @@ def test_micro_batch_split_gives_the_same_update(tiny_datasets, tokenizer_dir, t
 
 def sft_in_process(tiny_datasets, tokenizer_dir, workdir, name, **overrides):
     """sft.main in this process: (metrics, saved weights)."""
-    args = sft.Args(base_model=tokenizer_dir, query_dataset=os.path.join(tiny_datasets[0], "sft"), response_length=32,
-                    lr=3e-3, seed=3, run_name=name, output_dir=os.path.join(workdir, name), **overrides)
+    args = sft.Args(**{**dict(base_model=tokenizer_dir, query_dataset=os.path.join(tiny_datasets[0], "sft"),
+                              response_length=32, lr=3e-3, seed=3, run_name=name,
+                              output_dir=os.path.join(workdir, name)), **overrides})
     run_in_process(sft.main, args, workdir)
     with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
@@ -245,6 +248,25 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_data
     for update in (2, 4, 6):  # the sampled tables too (RNG streams restored)
         assert (tmp_path / "runs" / "whole" / f"samples_{update}.csv").read_text() == \
             (tmp_path / "runs" / "stopped" / f"samples_{update}.csv").read_text()
+
+
+def test_resume_refuses_changed_settings_unless_told(tiny_datasets, tokenizer_dir, tmp_path, capsys):
+    """A checkpoint records the settings that decide the results: a resume with another learning
+    rate or model path is refused, naming them; --accept_changed_settings continues with a warning.
+    Memory knobs may change (micro-batch 4 x 2 -> 2 x 4)."""
+    common = dict(total_episodes=16, local_micro_batch_size=4, gradient_accumulation_steps=2, checkpoint_every=1)
+    sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "run", **common)
+    with pytest.raises(ValueError, match=r"update-0000002 was written with other settings: lr 0.003 there, 0.001 "
+                                         r"here; response_length 32 there, 16 here\. Resume with"):
+        sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "run", resume=True, lr=1e-3, response_length=16,
+                       **common)
+    capsys.readouterr()
+    sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "run", resume=True, lr=1e-3,
+                   accept_changed_settings=True, **common)
+    assert "WARNING: resumed with changed settings (--accept_changed_settings): lr 0.003 there, 0.001 here" in \
+        " ".join(capsys.readouterr().out.split())
+    sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "run", resume=True,
+                   **{**common, "local_micro_batch_size": 2, "gradient_accumulation_steps": 4})
 
 
 def test_checkpoints_are_kept_and_bad_ones_refused(tiny_datasets, tokenizer_dir, tmp_path):
@@ -496,6 +518,33 @@ def test_lora_micro_batch_split_and_the_saved_merged_model(tiny_datasets, tokeni
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "lora1")).eval()
     with torch.no_grad():
         assert torch.allclose(plain(rows).logits, wrapped(rows).logits, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_under_deepspeed_bf16_saves_the_model_it_trained(tiny_datasets, tokenizer_dir, tmp_path):
+    """Under DeepSpeed bf16 the engine holds the module in bf16. The saved merged model is the
+    adapter merged into the full-precision base from disk: its logits equal those of the fp32 base
+    wrapped in the saved adapter, to fp32 noise. (Merged into the engine's bf16 weights, as before,
+    they were 2.7e-2 apart: a delta of std 1e-4 on weights of std 0.02 loses about a third of itself.)
+    The engine accumulates gradients in fp32 (in bf16 the micro-batch split changed the update)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    result, _, saved = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "lora_bf16", "--total_episodes", "64",
+                               "--local_micro_batch_size", "8", "--gradient_accumulation_steps", "2", "--use_peft",
+                               "--lr", "3e-3", "--deepspeed", launcher=accelerate_launcher(1, DS_BF16_CONFIG))
+    out = " ".join(result.stdout.split())
+    assert "weights torch.bfloat16, gradients accumulated in torch.float32" in out
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    rows = torch.randint(2, 1000, (4, 24), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(tokenizer_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        before = base(rows).logits
+        wrapped = PeftModel.from_pretrained(base, str(tmp_path / "lora_bf16" / "adapter")).eval()
+        adapted = wrapped(rows).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "lora_bf16"), dtype=torch.float32).eval()(rows).logits
+    assert (adapted - before).abs().max() > 0.1  # the adapter moved the logits
+    assert (merged - adapted).abs().max() < 1e-4
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="4-bit needs AVX2")
