@@ -33,24 +33,38 @@ def left_pad_batch(queries: torch.Tensor, width: int, pad_id: int) -> torch.Tens
 class CompiledStep:
     """The one-token decode step of `model` under torch.compile (on a GPU with CUDA graphs, where a
     small model's step is mostly kernel launches). The captured graph is specialised to the cache
-    tensors it writes, so the static KV cache of each batch shape is kept for the run and reset
-    per decode, and every step gets the full-length attention mask: all steps of a shape share one
-    graph (the causal mask hides the cache slots not yet written). The weights are read at each
+    tensors it writes, so the static KV cache of each batch shape is kept and reset per decode, and
+    every step gets the full-length attention mask: all steps of a shape share one graph (the causal
+    mask hides the cache slots not yet written). `decode_in_batches` pads its batches to one shape,
+    so a run holds one cache; `report` (a print) says how many bytes when it is allocated. With
+    `keep_caches=False` they are freed after each `decode_in_batches` (for the PPO epochs' memory;
+    the next rollout allocates new ones, and CUDA graphs record again). The weights are read at each
     call: the optimizer's in-place updates reach the next decode. A batch shape's first compiled
     decode that raises gives the step up for the run (`give_up`; `decode` then runs eagerly)."""
 
-    def __init__(self, model, **compile_options):
+    def __init__(self, model, report=print, keep_caches: bool = True, **compile_options):
         self.forward = torch.compile(model, fullgraph=True, dynamic=False, **compile_options)
+        self.report, self.keep_caches = report, keep_caches
         self.caches = {}
         self.shapes_run = set()  # batch shapes whose compiled decode has completed
         self.failure = None  # why the compiled step was given up
 
-    def cache(self, config, rows: int, length: int) -> StaticCache:
+    def cache(self, model, rows: int, length: int) -> StaticCache:
         if (rows, length) not in self.caches:
-            self.caches[rows, length] = StaticCache(config=config, max_cache_len=length)
+            self.caches[rows, length] = StaticCache(config=model.config, max_cache_len=length)
+            size = static_cache_bytes(model.config, rows, length, next(model.parameters()).dtype) / 2 ** 30
+            if (rows, length) not in self.shapes_run:  # (once per shape, also where caches are freed each time)
+                self.report(f"decode: a static KV cache of {rows} rows x {length} positions, {size:.2f} GiB, "
+                            f"{'held for the run' if self.keep_caches else 'freed after each rollout'}")
         cache = self.caches[rows, length]
         cache.reset()
         return cache
+
+    def release(self) -> None:
+        """Frees the caches (the next decode allocates new ones)."""
+        self.caches.clear()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def give_up(self, error: Exception) -> None:
         """After a failed first compiled decode (on a GPU node without the C compiler, Python headers
@@ -128,7 +142,7 @@ def sample_batch(model, groups: list, pad_id: int, response_length: int,
     if torch.is_autocast_enabled(device.type):
         cache = DynamicCache(config=model.config)
     elif compiled_step is not None:
-        cache = compiled_step.cache(model.config, len(queries), width + response_length)
+        cache = compiled_step.cache(model, len(queries), width + response_length)
         step_forward = compiled_step.forward
     else:
         cache = StaticCache(config=model.config, max_cache_len=width + response_length)
@@ -160,14 +174,33 @@ def sample_batch(model, groups: list, pad_id: int, response_length: int,
     return list(zip(torch.cat(tokens, 1).split(sizes), torch.cat(logprobs, 1).split(sizes)))
 
 
+def static_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of a static KV cache: keys and values of every layer for `rows` x `length` positions."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * rows * heads * length * head_dim * dtype.itemsize
+
+
 def decode_in_batches(model, groups: list, pad_id: int, response_length: int, batch_size: int,
                       compiled_step: Optional[CompiledStep] = None) -> list:
     """`decode` over consecutive groups packed whole into batches of at most `batch_size` rows (a
-    group larger than that alone): a memory knob that changes no sample."""
-    results, batch = [], []
+    group larger than that alone): a memory knob that changes no sample. With `compiled_step`, a
+    smaller batch is filled up to the largest one's rows with copies of its first query (drawn from
+    a generator of their own and dropped), so that one batch shape, one graph and one static cache
+    serve every batch."""
+    batches, batch = [], []
     for group in groups:
         if batch and sum(len(g.queries) for g in batch) + len(group.queries) > batch_size:
-            results += decode(model, batch, pad_id, response_length, compiled_step)
+            batches.append(batch)
             batch = []
         batch.append(group)
-    return results + decode(model, batch, pad_id, response_length, compiled_step)
+    batches.append(batch)
+    rows = max(sum(len(g.queries) for g in batch) for batch in batches)
+    results = []
+    for batch in batches:
+        filler = rows - sum(len(g.queries) for g in batch) if compiled_step is not None else 0
+        filled = batch + [SamplingGroup(batch[0].queries[:1].repeat(filler, 1), 1.0, 0)] if filler else batch
+        results += decode(model, filled, pad_id, response_length, compiled_step)[:len(batch)]
+    if compiled_step is not None and not compiled_step.keep_caches:
+        compiled_step.release()
+    return results

@@ -351,7 +351,8 @@ def lora_identity(args) -> Optional[list]:
 # launched, logged and saved; every other field must be the checkpoint's (--accept_changed_settings)
 RESUME_MAY_CHANGE = {"world_size", "local_micro_batch_size", "gradient_accumulation_steps", "local_batch_size",
                      "local_mini_batch_size", "local_eval_batch_size", "local_generation_batch_size",
-                     "gradient_checkpointing", "deepspeed", "offload", "compile_decode", "resume", "checkpoint_every",
+                     "gradient_checkpointing", "deepspeed", "offload", "compile_decode", "free_decode_cache", "resume",
+                     "checkpoint_every",
                      "keep_checkpoints", "accept_changed_settings", "run_name", "exp_name", "track",
                      "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity", "output_dir",
                      "print_sample_output_freq", "run_eval"}

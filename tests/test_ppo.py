@@ -406,11 +406,34 @@ def test_compiled_decode_step_samples_what_eager_decode_samples(one_thread):
     eager = rollout.decode(model, groups, PAD, 12)
     assert not torch.equal(eager[0][0], rollout.decode(tiny_lm(), groups, PAD, 12)[0][0])  # the update changed samples
     assert_same(eager, rollout.decode(model, groups, PAD, 12, compiled_step))
-    # batches of 3 and 2 rows: a cache and a graph each, and the first shape's still served
+    # batches of 3 and 2 rows: the second is filled up to 3 rows, so one more cache and graph serve
+    # both, and the first shape's is still served
     assert_same(rollout.decode_in_batches(model, groups, PAD, 12, 3),
                 rollout.decode_in_batches(model, groups, PAD, 12, 3, compiled_step))
     assert_same(eager, rollout.decode(model, groups, PAD, 12, compiled_step))
-    assert counters["stats"]["unique_graphs"] == 3 and len(compiled_step.caches) == 3
+    assert counters["stats"]["unique_graphs"] == 2 and sorted(compiled_step.caches) == [(3, 21), (5, 21)]
+    torch._dynamo.reset()
+
+
+def test_compiled_decode_reports_its_cache_and_frees_it_when_asked(one_thread):
+    """The static cache's bytes are reported once per shape (2 layers x keys and values x 3 rows x 2
+    heads x 21 positions x 16 dims x 4 bytes); with keep_caches=False decode_in_batches frees it
+    after each call and the next call samples the same tokens from a new one."""
+    torch._dynamo.reset()
+    model = tiny_lm()
+    rows = torch.randint(2, 40, (5, 9), generator=torch.Generator().manual_seed(1))
+    groups = [rollout.SamplingGroup(rows[:3], 0.7, 11), rollout.SamplingGroup(rows[3:], 1.0, 12)]
+    reports = []
+    compiled_step = rollout.CompiledStep(model, reports.append, keep_caches=False, backend="aot_eager")
+    first = rollout.decode_in_batches(model, groups, PAD, 12, 3, compiled_step)
+    assert compiled_step.caches == {}
+    second = rollout.decode_in_batches(model, groups, PAD, 12, 3, compiled_step)
+    for (a, la), (b, lb) in zip(first, second, strict=True):
+        assert torch.equal(a, b) and torch.allclose(la, lb, atol=1e-6)
+    size = 2 * 2 * 3 * 2 * 21 * 16 * 4
+    assert rollout.static_cache_bytes(model.config, 3, 21, torch.float32) == size
+    assert reports == [f"decode: a static KV cache of 3 rows x 21 positions, {size / 2 ** 30:.2f} GiB, freed after "
+                       "each rollout"]
     torch._dynamo.reset()
 
 
