@@ -55,7 +55,7 @@ from rich.progress import track
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig
 
-from summarize_from_feedback_details.rollout import CompiledStep, SamplingGroup, decode_in_batches, decode_path
+from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches
 from summarize_from_feedback_details.run_infra import (PhaseTimer, describe_frozen, enable_gradient_checkpointing,
                                                        frozen_dtype, gather_global, load_policy, load_reward_model,
                                                        load_split_dataset, load_tokenizer, prepare_frozen, quantization,
@@ -707,10 +707,8 @@ def main(args: Args) -> None:
     ref_policy = prepare_frozen(ref_policy, args, accelerator)
     reward_model = prepare_frozen(reward_model, args, accelerator)
     unwrapped = accelerator.unwrap_model(model)
-    use_compiled_step, why = decode_path(args.compile_decode, accelerator.device, accelerator.native_amp)
-    compiled_step = (CompiledStep(unwrapped.policy, run.print, keep_caches=not args.free_decode_cache,
-                                  mode="reduce-overhead") if use_compiled_step else None)
-    run.print(f"decode: {why}")
+    compiled_step = compiled_step_for(unwrapped.policy, args.compile_decode, accelerator.device, accelerator.native_amp,
+                                      run.print, keep_caches=not args.free_decode_cache)
     # per-update validation: global eval batch u is validation_order[u * G : (u + 1) * G] (wrapping),
     # rank r taking its r-th slice of local_eval_batch_size, so every update scores new queries
     validation = dataset["validation"].with_format("torch", columns=list(QUERY_COLUMNS))
@@ -875,6 +873,7 @@ def main(args: Args) -> None:
                 # queries' responses come from the same decodes)
                 **timer.metrics(tokens=args.batch_size * query_responses.shape[1], generated_tokens=(
                     args.batch_size + args.local_eval_batch_size * num_processes) * responses.shape[1]),
+                **(compiled_step.counters() if compiled_step is not None else {}),
             }
             if args.ppo.use_adaptive_kl:
                 metrics["objective/kl_coef"] = kl_ctl.value

@@ -60,6 +60,15 @@ class CompiledStep:
         cache.reset()
         return cache
 
+    def counters(self) -> dict:
+        """decode/ metrics: graphs compiled and CUDA graphs skipped so far (dynamo's process-wide
+        counters), batch shapes decoded, and whether the step was given up."""
+        from torch._dynamo.utils import counters
+
+        return {"decode/graphs": counters["stats"]["unique_graphs"],
+                "decode/cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+                "decode/shapes": len(self.shapes_run), "decode/given_up": float(self.failure is not None)}
+
     def release(self) -> None:
         """Frees the caches (the next decode allocates new ones)."""
         self.caches.clear()
@@ -91,6 +100,15 @@ def decode_path(compile_decode: bool, device: torch.device, autocast: bool) -> t
                        "a growing KV cache, which a CUDA graph cannot hold)")
     return True, ("torch.compile with CUDA graphs, one graph per batch shape (the first update pays the compile; "
                   "a compile error falls back to eager with a warning)")
+
+
+def compiled_step_for(model, compile_decode: bool, device: torch.device, autocast: bool, report=print,
+                      keep_caches: bool = True) -> Optional[CompiledStep]:
+    """The run's decode step: a `CompiledStep` of `model` (CUDA graphs, mode reduce-overhead) where
+    `decode_path` says one serves, else None (eager); `report` says which and why."""
+    use, why = decode_path(compile_decode, device, autocast)
+    report(f"decode: {why}")
+    return CompiledStep(model, report, keep_caches, mode="reduce-overhead") if use else None
 
 
 @torch.no_grad()
@@ -150,9 +168,10 @@ def sample_batch(model, groups: list, pad_id: int, response_length: int,
     # without a cache, so the prefill must have filled it)
     output = model(input_ids=queries.masked_fill(~query_mask, 0), attention_mask=attention_mask[:, :width],
                    position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-    if int(cache.get_seq_length()) != width:
-        raise RuntimeError(f"{type(model).__name__} did not fill the KV cache in the prefill ({int(cache.get_seq_length())}"
-                           f" of {width} positions): this transformers version does not take `cache=`")
+    filled = int(cache.get_seq_length())
+    if filled != width:
+        raise RuntimeError(f"{type(model).__name__} did not fill the KV cache in the prefill ({filled} of {width} "
+                           "positions): this transformers version does not take `cache=`")
     tokens, logprobs = [], []
     for step in range(response_length):
         # a copy: a CUDA graph's output buffer is overwritten by its next replay

@@ -474,6 +474,9 @@ def test_decode_path_says_which_decode_runs_and_why():
     assert rollout.decode_path(False, cuda, autocast=False) == (False, "eager (--no-compile_decode)")
     assert rollout.decode_path(True, cpu, autocast=False) == (False, "eager (CUDA graphs need a GPU)")
     assert rollout.decode_path(True, cuda, autocast=True)[1].startswith("eager (mixed precision by autocast")
+    reports = []
+    assert rollout.compiled_step_for(tiny_lm(), True, cpu, False, reports.append) is None
+    assert reports == ["decode: eager (CUDA graphs need a GPU)"]
 
 
 def test_a_model_that_ignores_the_cache_keyword_is_an_error():

@@ -641,7 +641,9 @@ def test_lora_trains_adapters_and_head_and_saves_a_normalised_merged_model(tiny_
     included, lies in adapter/."""
     from peft import PeftModel
 
-    common = dict(total_episodes=4, local_eval_batch_size=128, lr=0.1, eps=1.0, use_peft=True, lora_r=4)
+    # (lr 0.02: at 0.1 the two splits' merged weights differed by 2.5e-7, float noise scaled by the
+    # adapter's alpha / r = 8, just past the tolerance on some CPUs)
+    common = dict(total_episodes=4, local_eval_batch_size=128, lr=0.02, eps=1.0, use_peft=True, lora_r=4)
     m1 = run_reward(tiny_datasets, models_dir, str(tmp_path), "micro1", local_micro_batch_size=1,
                     gradient_accumulation_steps=4, **common)
     m4 = run_reward(tiny_datasets, models_dir, str(tmp_path), "micro4", local_micro_batch_size=4,
