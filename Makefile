@@ -27,6 +27,16 @@ test-gpu: install
 	$(PY) -m summarize_from_feedback_details.check_gpu
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -s -rs -m gpu
 
+# Opt-in, on a CUDA machine, the first thing to run there: test-gpu, the benchmark rows at Pythia-1B's
+# shape (ours, and ours vs TRL 1.12), decode against the bandwidth floor, peak memory per stage and a
+# bf16 log-prob drift check, in one report: $(GPU_REPORT)/report.md (benchmarks/gpu_report.py).
+# Without CUDA it says so and runs nothing.
+GPU_REPORT ?= gpu_report
+.PHONY: gpu-report
+gpu-report: install
+	$(PY) -m summarize_from_feedback_details.check_gpu
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) benchmarks/gpu_report.py --out $(GPU_REPORT)
+
 clean:
 	rm -rf $(VENV) data models runs
 

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import transformers
 from transformers import DynamicCache, StaticCache
+
+# transformers 5.24 renamed the forward's `past_key_values=` to `cache=` and removes the old name in
+# 5.40: the name this transformers takes (a name a model ignored would decode without its cache)
+CACHE_KEYWORD = "cache" if tuple(map(int, transformers.__version__.split(".")[:2])) >= (5, 24) else "past_key_values"
 
 
 @dataclass
@@ -164,14 +169,12 @@ def sample_batch(model, groups: list, pad_id: int, response_length: int,
         step_forward = compiled_step.forward
     else:
         cache = StaticCache(config=model.config, max_cache_len=width + response_length)
-    # (`cache=`: transformers 5.24 renamed `past_key_values=`; a keyword a model ignores would decode
-    # without a cache, so the prefill must have filled it)
     output = model(input_ids=queries.masked_fill(~query_mask, 0), attention_mask=attention_mask[:, :width],
-                   position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-    filled = int(cache.get_seq_length())
+                   position_ids=positions, use_cache=True, logits_to_keep=1, **{CACHE_KEYWORD: cache})
+    filled = int(cache.get_seq_length())  # (a cache the model did not take would leave every step blind)
     if filled != width:
         raise RuntimeError(f"{type(model).__name__} did not fill the KV cache in the prefill ({filled} of {width} "
-                           "positions): this transformers version does not take `cache=`")
+                           f"positions): this transformers {transformers.__version__} does not take `{CACHE_KEYWORD}=`")
     tokens, logprobs = [], []
     for step in range(response_length):
         # a copy: a CUDA graph's output buffer is overwritten by its next replay
@@ -189,7 +192,7 @@ def sample_batch(model, groups: list, pad_id: int, response_length: int,
             if step_forward is not model:
                 torch.compiler.cudagraph_mark_step_begin()
             output = step_forward(input_ids=token, attention_mask=mask, position_ids=positions[:, -1:] + step + 1,
-                                  cache=cache, use_cache=True)
+                                  use_cache=True, **{CACHE_KEYWORD: cache})
     return list(zip(torch.cat(tokens, 1).split(sizes), torch.cat(logprobs, 1).split(sizes)))
 
 

@@ -480,14 +480,20 @@ def test_decode_path_says_which_decode_runs_and_why():
 
 
 def test_a_model_that_ignores_the_cache_keyword_is_an_error():
-    """transformers 5.24 renamed `past_key_values=` to `cache=`; a model that took neither would decode
-    without its cache (every step would see one token): the prefill must have filled the cache."""
+    """transformers 5.24 renamed `past_key_values=` to `cache=` (the old name goes in 5.40): the decode
+    passes the name the installed transformers' forward takes, and a model that took neither would
+    decode without its cache (every step would see one token), so the prefill must have filled it."""
+    import inspect
+    from transformers import GPTNeoXForCausalLM, GPT2LMHeadModel
+    for model_class in (GPTNeoXForCausalLM, GPT2LMHeadModel):
+        assert rollout.CACHE_KEYWORD in inspect.signature(model_class.forward).parameters
+
     class IgnoresCache(torch.nn.Module):
         def __init__(self, model):
             super().__init__()
             self.model, self.config = model, model.config
 
-        def forward(self, cache=None, **kwargs):
+        def forward(self, cache=None, past_key_values=None, **kwargs):
             return self.model(**kwargs)
 
     queries = torch.tensor([[PAD, 5, 6], [7, 8, 9]])

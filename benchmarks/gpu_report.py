@@ -1,0 +1,212 @@
+"""`make gpu-report`: every GPU check and the GPU benchmark rows in one go, into one report: the first
+thing to run on a GPU machine (DESIGN.md section 21).
+
+    make gpu-report                                    # into gpu_report/ (GPU_REPORT=<folder> for another)
+    python benchmarks/gpu_report.py --out gpu_report
+    python benchmarks/gpu_report.py --smoke --out /tmp/r   # the plumbing on the CPU at tiny shapes (make test)
+
+The steps, each a command whose whole output goes to <out>/<step>.log (a failed step is reported and
+the next one runs):
+1. `test_gpu`: `pytest -m gpu` (tests/test_gpu.py: the four stages at Pythia-410m's shape under the
+   paper's DeepSpeed ZeRO-2 bf16 config, LoRA and 4-bit, the CUDA-graph decode against the eager one,
+   PPO at Pythia-1B's shape with the sbatch micro-batches, --offload, 4-bit PPO, two GPUs where
+   there are two); its `[gpu]` lines (seconds per update, peak memory per stage) go into the report;
+2. `speed`: benchmarks/ppo_speed.py at Pythia-1B's shape with one GPU's share of the paper's batch
+   (64 queries x 512 + 53 tokens, bf16), one process and ZeRO-2, micro-batch 16: seconds per update
+   by phase, tokens/s, utilisation of the measured bf16 matmul peak, and decode ms/step against the
+   bandwidth floor (the policy's weights and its batch's KV cache at the real context length, read
+   once per step);
+3. `trl`: the same shape, ours and TRL 1.12's PPOTrainer side by side (ratio min / median / max);
+4. `drift`: the log-probabilities of the same sampled tokens scored in fp32 and in bf16 (a
+   random-init policy of the same shape): how far bf16 moves PPO's ratio before any update.
+Output: <out>/report.md (the GPU, the versions, each step's status, time and numbers), the CSVs of
+steps 2 and 3, and the logs. Without CUDA it says so and exits 1, running nothing.
+"""
+
+import csv
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+from summarize_from_feedback_details import ppo_left_padding as ppo  # noqa: E402
+from summarize_from_feedback_details import rollout  # noqa: E402
+from summarize_from_feedback_details.run_infra import cuda_problem, nvidia_smi_gpus  # noqa: E402
+
+
+@dataclass
+class Args:
+    out: str = "gpu_report"
+    """the report's folder (created; an existing report in it is replaced)"""
+    smoke: bool = False
+    """run the plumbing on the CPU at tiny shapes, without the GPU tests (what make test checks)"""
+    shape: str = "pythia-1b"
+    """the benchmark and drift shape (benchmarks/ppo_speed.py's names)"""
+    drift_only: bool = False
+    """(step 4 runs this file again with it: only the drift of --shape, into --out)"""
+
+
+@dataclass
+class Step:
+    name: str
+    command: list
+    description: str
+
+
+def steps(args: Args) -> list:
+    """The report's commands. A GPU machine: the paper's per-GPU shapes; --smoke: tiny ones on the CPU."""
+    python, speed = sys.executable, os.path.join(REPO, "benchmarks", "ppo_speed.py")
+    out = os.path.abspath(args.out)
+    if args.smoke:
+        shape = ["--shapes", "tiny-s", "--batch_size", "4", "--query_length", "16", "--response_length", "8",
+                 "--eval_batch_size", "1", "--updates", "2", "--threads", "1", "--matmul_size", "256"]
+        return [Step("test_gpu", [python, "-m", "pytest", "-q", "-s", "-rs", "-m", "gpu", "-k", "nvidia_smi",
+                                  os.path.join(REPO, "tests", "test_gpu.py")], "the GPU check alone (smoke)"),
+                Step("speed", [python, speed, *shape, "--strategies", "single", "--micro_batch_sizes", "4",
+                               "--out", os.path.join(out, "speed")], "seconds per update at tiny-s (smoke)"),
+                Step("trl", [python, speed, "--mode", "trl", *shape, "--rounds", "1", "--out",
+                             os.path.join(out, "trl")], "ours vs TRL at tiny-s (smoke)"),
+                Step("drift", [python, __file__, "--drift_only", "--shape", "tiny-s", "--out", out],
+                     "bf16 drift at tiny-s (smoke)")]
+    paper = ["--shapes", args.shape, "--query_length", "512", "--response_length", "53", "--batch_size", "64",
+             "--eval_batch_size", "8"]
+    return [Step("test_gpu", [python, "-m", "pytest", "-q", "-s", "-rs", "-m", "gpu", os.path.join(REPO, "tests")],
+                 "make test-gpu"),
+            Step("speed", [python, speed, *paper, "--strategies", "single", "zero2", "--micro_batch_sizes", "16",
+                           "--out", os.path.join(out, "speed")],
+                 f"seconds per update at {args.shape}, 64 queries x 512 + 53 tokens, bf16"),
+            Step("trl", [python, speed, "--mode", "trl", *paper, "--rounds", "2", "--out", os.path.join(out, "trl")],
+                 f"ours vs TRL 1.12 at {args.shape}, the same settings"),
+            Step("drift", [python, __file__, "--drift_only", "--shape", args.shape, "--out", out],
+                 f"bf16 drift at {args.shape}")]
+
+
+@torch.no_grad()
+def logprob_drift(shape: str, out: str, rows: int = 16, query_length: int = 512, response_length: int = 53) -> dict:
+    """Responses sampled (T 0.7) from a random-init policy of `shape` for random left-padded queries,
+    then the same tokens scored by the fp32 policy and by its bf16 copy: |delta logprob| over the
+    response tokens. Written to <out>/drift.csv."""
+    import ppo_speed
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if shape.startswith("tiny"):
+        query_length, response_length, rows = 16, 8, 4
+    torch.manual_seed(0)
+    policy = ppo_speed.AutoModelForCausalLM.from_config(ppo_speed.model_config(shape)).to(device).eval()
+    vocab = policy.config.vocab_size
+    queries = torch.randint(2, vocab, (rows, query_length), generator=torch.Generator().manual_seed(0)).to(device)
+    for i in range(rows):
+        queries[i, : i * query_length // (2 * rows)] = 1  # [PAD]: left padding of varied amounts
+    ((responses, _),) = rollout.decode(policy, [rollout.SamplingGroup(queries, 0.7, 0)], 1, response_length)
+    query_responses = torch.cat([queries, responses], 1)
+
+    def logprobs(model):
+        logits = ppo.response_logits(model, query_responses, 1, response_length)
+        return ppo.gather_logprobs(ppo.scaled_logits(logits, 0.7, 1), responses)
+
+    fp32 = logprobs(policy)
+    bf16 = logprobs(policy.to(torch.bfloat16))
+    delta = (bf16 - fp32).abs()
+    result = {"shape": shape, "device": device, "rows": rows, "query_length": query_length,
+              "response_length": response_length, "max_abs_delta": delta.max().item(),
+              "mean_abs_delta": delta.mean().item(), "frac_above_0.1": (delta > 0.1).float().mean().item(),
+              # the PPO ratio of the first minibatch if the rollout were bf16 and the training fp32
+              "max_ratio_minus_1": (torch.exp(delta) - 1).max().item()}
+    with open(os.path.join(out, "drift.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(result))
+        writer.writeheader()
+        writer.writerow(result)
+    return result
+
+
+def markdown_table(path: str, columns: list) -> str:
+    """The CSV at `path` as a markdown table of `columns` (those it has), numbers rounded."""
+    if not os.path.exists(path):
+        return "(no table)"
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    columns = [c for c in columns if rows and c in rows[0]]
+
+    def cell(value: str) -> str:
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return f"{number:.4g}" if number == number else "n/a"
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+SPEED_COLUMNS = ["shape", "strategy", "processes", "micro_batch", "precision", "s_per_update", "time/generation",
+                 "time/ppo_epochs", "tokens_per_s", "utilisation", "decode_ms_per_step", "floor_ms_per_step",
+                 "peak_memory_gib", "status"]
+TRL_COLUMNS = ["shape", "round", "update", "ours_s", "trl_s", "ratio_trl_over_ours"]
+DRIFT_COLUMNS = ["shape", "device", "rows", "max_abs_delta", "mean_abs_delta", "frac_above_0.1", "max_ratio_minus_1"]
+
+
+def section(step: Step, result: dict, out: str) -> str:
+    """The report's part for one step."""
+    head = (f"## {step.name}: {step.description}\n\n{result['status']} in {result['seconds']:.0f} s "
+            f"(`{os.path.basename(step.command[1]) if step.command[1] != '-m' else ' '.join(step.command[1:3])}`; "
+            f"log: {step.name}.log)\n\n")
+    if step.name == "test_gpu":
+        with open(os.path.join(out, "test_gpu.log")) as f:
+            lines = [line.rstrip() for line in f if line.startswith("[gpu]") or " passed" in line or " failed" in line
+                     or line.startswith(("SKIPPED", "FAILED"))]
+        return head + "```\n" + "\n".join(lines) + "\n```\n"
+    tables = {"speed": (os.path.join(out, "speed", "ppo_speed.csv"), SPEED_COLUMNS),
+              "trl": (os.path.join(out, "trl", "trl_side_by_side.csv"), TRL_COLUMNS),
+              "drift": (os.path.join(out, "drift.csv"), DRIFT_COLUMNS)}
+    return head + markdown_table(*tables[step.name]) + "\n"
+
+
+def machine() -> str:
+    gpus = nvidia_smi_gpus()
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device (smoke run on the CPU)"
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    return (f"- device: {device}" + (f" x {torch.cuda.device_count()}" if torch.cuda.is_available() else "") + "\n"
+            f"- driver: {gpus[0][1] if gpus and len(gpus[0]) == 2 else 'n/a'}; torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}; python {platform.python_version()}\n"
+            f"- commit {commit.strip() or 'unknown'}, {datetime.datetime.now().isoformat(timespec='seconds')}\n")
+
+
+def main(args: Args) -> int:
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpu-report runs on a CUDA machine: torch sees no GPU here" +
+              (f" ({cuda_problem()})" if cuda_problem() else "") + "; nothing ran", file=sys.stderr)
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    report = [f"# GPU report{' (smoke: tiny shapes on the CPU)' if args.smoke else ''}\n", machine()]
+    failed = 0
+    for step in steps(args):
+        start = time.time()
+        with open(os.path.join(args.out, f"{step.name}.log"), "w") as log:
+            code = subprocess.run(step.command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                  env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")).returncode
+        result = {"status": "ok" if code == 0 else f"FAILED (exit {code})", "seconds": time.time() - start}
+        failed += code != 0
+        report.append(section(step, result, args.out))
+        print(f"{step.name}: {result['status']} in {result['seconds']:.0f} s", flush=True)
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write("\n".join(report))
+    print(f"report: {os.path.join(args.out, 'report.md')}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    arguments = tyro.cli(Args)
+    if arguments.drift_only:
+        print(logprob_drift(arguments.shape, arguments.out))
+    else:
+        sys.exit(main(arguments))

@@ -1,0 +1,49 @@
+"""benchmarks/gpu_report.py (`make gpu-report`): what it runs on a GPU machine, that it refuses to run
+without CUDA, and its whole plumbing on the CPU at tiny shapes (so it cannot rot between GPU runs)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "gpu_report.py")
+_spec = importlib.util.spec_from_file_location("gpu_report", SCRIPT)
+gpu_report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_report)
+
+
+def test_without_cuda_it_says_so_and_runs_nothing(tmp_path):
+    result = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "report")], capture_output=True,
+                            text=True, env=dict(os.environ, PATH="/usr/bin:/bin"))
+    assert result.returncode == 1 and "torch sees no GPU here; nothing ran" in result.stderr
+    assert not (tmp_path / "report").exists()
+
+
+def test_the_gpu_plan_is_the_papers_per_gpu_share():
+    """On a GPU: make test-gpu, then ppo_speed at Pythia-1B with 64 queries x 512 + 53 tokens (one GPU's
+    share of the paper's 512), one process and ZeRO-2, then ours vs TRL, then the bf16 drift."""
+    plan = {step.name: step.command for step in gpu_report.steps(gpu_report.Args(out="r"))}
+    assert list(plan) == ["test_gpu", "speed", "trl", "drift"]
+    assert plan["test_gpu"][1:7] == ["-m", "pytest", "-q", "-s", "-rs", "-m"] and plan["test_gpu"][7] == "gpu"
+    for name in ("speed", "trl"):
+        command = " ".join(plan[name])
+        assert "--shapes pythia-1b --query_length 512 --response_length 53 --batch_size 64" in command
+    assert "--strategies single zero2" in " ".join(plan["speed"]) and "--mode trl" in " ".join(plan["trl"])
+    assert plan["drift"][-4:] == ["--shape", "pythia-1b", "--out", os.path.abspath("r")]
+
+
+@pytest.mark.slow
+def test_smoke_report_on_the_cpu(tmp_path):
+    out = str(tmp_path / "report")
+    assert gpu_report.main(gpu_report.Args(out=out, smoke=True)) == 0
+    with open(os.path.join(out, "report.md")) as f:
+        report = f.read()
+    for step in ("test_gpu", "speed", "trl", "drift"):
+        assert f"## {step}:" in report and os.path.exists(os.path.join(out, f"{step}.log"))
+    assert report.count("\nok in ") == 4 and "FAILED" not in report
+    assert "| tiny-s | single | 1 | 4 | fp32 |" in report and "1 passed" in report
+    drift = report[report.index("## drift"):]
+    assert "| tiny-s | cpu | 4 |" in drift
