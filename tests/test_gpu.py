@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers import GPTNeoXForCausalLM
 
 from conftest import accelerate_launcher, run_script
-from summarize_from_feedback_details import tldr_dataset
+from summarize_from_feedback_details import ppo_left_padding, reward, rollout, run_infra, tldr_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "tests", "accelerate_configs")
@@ -134,9 +134,25 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
     assert len(dpo) == 4 and dpo[0]["train/rm/loss"] == pytest.approx(math.log(2), abs=1e-2)
     normalization_error = [m for m in metrics["reward"] if "eval/rm/normalization_max_error" in m][0]
     assert normalization_error["eval/rm/normalization_max_error"] < 1e-2
+    # the decode path PPO took, and on a GPU its logged counters: no CUDA graph skipped, one batch
+    # shape (decode_in_batches pads to it), the compiled step never given up
+    path = "torch.compile with CUDA graphs" if setting == "gpu" else "eager (CUDA graphs need a GPU)"
+    assert f"decode: {path}" in " ".join(stdout["ppo_left_padding"].split())
+    for m in ppo if setting == "gpu" else ():
+        assert (m["decode/cudagraph_skips"], m["decode/given_up"], m["decode/shapes"]) == (0, 0, 1)
+    device = "cuda" if setting == "gpu" else "cpu"
+    # LoRA under the bf16 engine: the saved model is the adapter merged into the full-precision base
+    from peft import PeftModel
+    rows = torch.randint(2, 1000, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        base_fp32 = AutoModelForCausalLM.from_pretrained(out["sft"], dtype=torch.float32).to(device).eval()
+        wrapped = PeftModel.from_pretrained(base_fp32, str(tmp_path / "ppo_lora" / "adapter")).eval()(rows).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ppo_lora"), dtype=torch.float32).to(device)
+        assert (merged.eval()(rows).logits - wrapped).abs().max() < 1e-3
+    drift = bf16_drift(out["ppo_left_padding"], sft_data, device)
+    assert drift["mean"] < 0.05, drift
 
     # the saved models reload with plain transformers and generate
-    device = "cuda" if setting == "gpu" else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(out["ppo_left_padding"])
     query = torch.tensor([tokenizer.encode("SUBREDDIT: r/relationships\n\nTITLE: help\n\nPOST: hi\n\nTL;DR:")],
                          device=device)
@@ -154,8 +170,89 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
         assert (peak is not None) == (setting == "gpu"), stage
         report.append(f"{stage}: {seconds_per_update(metrics[stage], eps_key, 16 if stage != 'ppo_left_padding' else 32):.2f} "
                       f"s/update, peak GPU memory {peak.group(1) + ' GiB' if peak else 'n/a (CPU)'}")
-    print(f"\n[{setting}] {sum(p.numel() for p in rm.parameters()):,} parameters per model; " + "; ".join(report),
-          file=sys.stderr)
+    print(f"\n[{setting}] {sum(p.numel() for p in rm.parameters()):,} parameters per model; " + "; ".join(report)
+          + f"; bf16 vs fp32 logprobs of the trained PPO policy: |delta| max {drift['max']:.3g}, mean "
+          f"{drift['mean']:.3g}", file=sys.stderr)
+
+
+@torch.no_grad()
+def bf16_drift(model_dir: str, sft_data: str, device: str) -> dict:
+    """The trained policy's log-probabilities of its own samples (8 validation queries, T 0.7) scored in
+    fp32 and in bf16: the max and mean |delta| over the response tokens."""
+    from datasets import load_from_disk
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    queries = torch.tensor(load_from_disk(sft_data)["validation"][:8]["query_token"], device=device)
+    ((responses, _),) = rollout.decode(policy, [rollout.SamplingGroup(queries, 0.7, 0)], 1, 53)
+    query_responses = torch.cat([queries, responses], 1)
+
+    def logprobs(model):
+        logits = ppo_left_padding.response_logits(model, query_responses, 1, 53)
+        return ppo_left_padding.gather_logprobs(ppo_left_padding.scaled_logits(logits, 0.7, 1), responses)
+
+    fp32 = logprobs(policy)
+    delta = (logprobs(policy.to(torch.bfloat16)) - fp32).abs()
+    return {"max": delta.max().item(), "mean": delta.mean().item()}
+
+
+PYTHIA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=8, intermediate_size=8192,
+                 vocab_size=50304)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("variant", ["zero2", "offload", "4bit", "two_gpus"])
+def test_ppo_at_the_pythia_1b_shape(variant, raw_dir, tokenizer_dir, tmp_path):
+    """One PPO update at Pythia-1B's shape with the sbatch files' 1b knobs (micro-batch 16, rollout
+    chunk 64, eval batch 8; batch 64, one GPU's share of the paper's 512 on 8): its peak memory bounds
+    the 8-GPU run's. `offload`: the frozen reference and reward model as ZeRO-3 engines on the CPU;
+    `4bit`: LoRA over NF4 base weights, without DeepSpeed; `two_gpus`: the same batch over two
+    processes (NCCL) against one, to bf16 noise (skipped below two GPUs)."""
+    if variant == "two_gpus" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    base = random_pythia(PYTHIA_1B, tokenizer_dir, str(tmp_path / "base"))
+    tokenizer = run_infra.load_tokenizer(base)
+    reward.reward_model_to_train(base, tokenizer, head_seed=1).save_pretrained(str(tmp_path / "rm"))
+    tokenizer.save_pretrained(str(tmp_path / "rm"))
+    data = str(tmp_path / "data")
+    tldr_dataset.run(tldr_dataset.Args(base_model=base, sft_dataset=os.path.join(raw_dir, "tldr_sft"),
+                                       preference_dataset=os.path.join(raw_dir, "comparisons"), output_dir=data))
+    flags = ["--base_model", base, "--sft_model_path", base, "--reward_model_path", str(tmp_path / "rm"),
+             "--query_dataset", os.path.join(data, "sft"), "--total_episodes", "64", "--local_micro_batch_size", "16",
+             "--local_rollout_forward_batch_size", "64", "--local_eval_batch_size", "8", "--print_sample_output_freq",
+             "0"]
+
+    def ppo(name: str, processes: int, *more):
+        if variant == "4bit":
+            command = [sys.executable, os.path.join(REPO, "summarize_from_feedback_details", "ppo_left_padding.py")]
+            env = dict(ACCELERATE_MIXED_PRECISION="bf16")
+        else:
+            command, env = accelerate_launcher(processes, SETTINGS["gpu"]["config"]) + [
+                os.path.join(REPO, "summarize_from_feedback_details", "ppo_left_padding.py"), "--deepspeed"], {}
+        start = time.time()
+        stdout = run_script(command + flags + ["--run_name", name, "--output_dir", str(tmp_path / name), *more],
+                            tmp_path, **env).stdout
+        (line,) = [m for m in read_metrics(tmp_path, name) if "ppo/loss/policy_avg" in m]
+        peak = re.search(r"peak GPU memory of rank 0: ([\d.]+) GiB", stdout)
+        print(f"\n[gpu] PPO at Pythia-1B's shape ({variant}, {name}): {time.time() - start:.0f} s with the set-up, "
+              f"{line['time/update']:.1f} s for the update, peak GPU memory of rank 0 {peak.group(1)} GiB",
+              file=sys.stderr)
+        assert all(math.isfinite(v) for v in line.values() if isinstance(v, float))
+        assert line["ppo/val/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-2)
+        return line
+
+    if variant == "zero2":
+        ppo("ppo_1b", 1, "--gradient_accumulation_steps", "4")
+    elif variant == "offload":
+        ppo("ppo_1b_offload", 1, "--gradient_accumulation_steps", "4", "--offload")
+    elif variant == "4bit":
+        ppo("ppo_1b_4bit", 1, "--gradient_accumulation_steps", "4", "--use_peft", "--load_in_4bit", "--lr", "3e-5")
+    else:
+        # (rollout chunks of 32 on both: a chunk's position in the global batch seeds its samples)
+        one = ppo("ppo_1b_one", 1, "--gradient_accumulation_steps", "4", "--local_rollout_forward_batch_size", "32")
+        two = ppo("ppo_1b_two", 2, "--gradient_accumulation_steps", "2", "--local_rollout_forward_batch_size", "32",
+                  "--local_eval_batch_size", "4")
+        for key in ("objective/kl", "objective/scores", "ppo/loss/policy_avg", "ppo/loss/value_avg"):
+            assert two[key] == pytest.approx(one[key], rel=2e-2, abs=1e-3), key
 
 
 @pytest.mark.gpu
