@@ -29,6 +29,9 @@ behaviour stays reachable where it changes results):
 - the sampling noise of each generation chunk (`local_rollout_forward_batch_size` queries, rollout
   and validation) is seeded from (seed, update, position in the global batch), so one process and
   N processes with the same global batch draw the same responses;
+- each PPO epoch permutes the global batch from (seed, update, epoch) and every process trains on
+  its share of each minibatch (the paper permuted each rank's own rollouts with the rank's numpy
+  stream, so with --nminibatches > 1 a minibatch held other rows on another process count);
 - `[PAD]` is never sampled (its logit is masked in generation and, identically, in every forward
   that computes logprobs, so the ratio is exactly that of the sampling distribution).
 

@@ -14,9 +14,13 @@ every stage, and is written once:
   loads;
 - frozen DeepSpeed engines (`frozen_dtype`, `prepare_frozen`, `describe_frozen`): reference and
   reward models as inference engines, ZeRO-3 with CPU offload under `--offload`;
-- `start_run`: the prologue every main() shared (gloo for CPU processes, the Accelerator, the
-  DeepSpeed micro-batch and clipping, the checkpoint to resume, the run name, the per-rank seeds);
-  its `Run` then builds the checkpoints and the logger, saves the model and ends the run;
+- `start_run`: the prologue every main() shared (a refusal where nvidia-smi lists GPUs that torch
+  cannot see, gloo for CPU processes, the Accelerator, the DeepSpeed micro-batch, accumulation
+  (in fp32) and clipping, the checkpoint to resume and the settings it must keep, the run name, the
+  per-rank seeds); its `Run` then prints the batch arithmetic, builds the checkpoints and the
+  logger, merges LoRA, saves the model and ends the run;
+- `gather_global`: a rollout's tensors from every process, for minibatches drawn from the global
+  batch;
 - `Logger`: TensorBoard + metrics.jsonl + wandb, continued exactly by a resumed run;
 - `Checkpoints`: atomic checkpoints, exact resume on any process count, the stop signals;
 - `PhaseTimer`: seconds per phase of an update;
@@ -351,11 +355,10 @@ def lora_identity(args) -> Optional[list]:
 # launched, logged and saved; every other field must be the checkpoint's (--accept_changed_settings)
 RESUME_MAY_CHANGE = {"world_size", "local_micro_batch_size", "gradient_accumulation_steps", "local_batch_size",
                      "local_mini_batch_size", "local_eval_batch_size", "local_generation_batch_size",
-                     "gradient_checkpointing", "deepspeed", "offload", "compile_decode", "free_decode_cache", "resume",
-                     "checkpoint_every",
-                     "keep_checkpoints", "accept_changed_settings", "run_name", "exp_name", "track",
-                     "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity", "output_dir",
-                     "print_sample_output_freq", "run_eval"}
+                     "gradient_checkpointing", "deepspeed", "offload", "compile_decode", "free_decode_cache",
+                     "resume", "checkpoint_every", "keep_checkpoints", "accept_changed_settings", "run_name",
+                     "exp_name", "track", "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity",
+                     "output_dir", "print_sample_output_freq", "run_eval"}
 
 
 def run_settings(args) -> dict:
