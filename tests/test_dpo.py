@@ -288,9 +288,11 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_data
 
 def dpo_command(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()) -> list:
     data_dir, _ = tiny_datasets
+    # (the settings of dpo_args: a run resumed in this process keeps them)
     return [*(launcher or [sys.executable]), SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
-            sft_model(models_dir), "--label_dataset", os.path.join(data_dir, "preference"), "--output_dir",
-            str(tmp_path / name), "--run_name", name, "--seed", "3", *flags]
+            sft_model(models_dir), "--label_dataset", os.path.join(data_dir, "preference"), "--query_dataset",
+            os.path.join(data_dir, "sft"), "--response_length", "32", "--output_dir", str(tmp_path / name),
+            "--run_name", name, "--seed", "3", *flags]
 
 
 def launch_dpo(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()):

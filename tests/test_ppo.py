@@ -1121,9 +1121,8 @@ def test_resume_on_two_processes_and_on_one(one_process, two_processes, one_thre
     process (the same global batch of 8, local batch 8 instead of 4): the uninterrupted one-process
     run, within the tolerance of the one- vs two-process test (the same responses, the gradient of
     each minibatch summed in another order over micro-batches and processes; the clip fractions
-    within CLIPFRAC_ABS). The restored rank-0 RNG drew permutations of 4 on two processes: on one
-    process it permutes 8, another order of the same micro-batches than in either uninterrupted run
-    (one minibatch per epoch), so only float rounding separates them."""
+    within CLIPFRAC_ABS). The minibatches are drawn from (seed, update, epoch) over the global
+    batch, the same rows on either process count, so only float rounding separates them."""
     workdir, one, p_one, two_args = one_process
     _, two, p_two = two_processes
     args = variant(two_args, workdir, "stopped")
