@@ -1,9 +1,12 @@
 """What eval/sft_rm_scale.py and eval/rlhf_scaling_plot.py share: finding runs (local run folders or
-wandb), the model size of a run, mean and std over seeds, and writing a figure with its table.
+wandb) and choosing which of them make the plots, the model size of a run, mean and std over seeds,
+and writing a figure with its table.
 
 A run is identified by its stage's Args (`args.json` locally, the run config on wandb): `exp_name`
 says which stage (and variant) it is, `base_model` which model size, `seed` which seed. Runs are
-grouped by (exp_name, base_model, seed); when a key has several runs the newest is kept.
+grouped by (exp_name, base_model, seed) and each key uses one run: the one pinned with --runs, else
+the newest that has what the plots need (see choose_runs). The choice is printed as a table and
+written next to the plots (runs_used_<script>.{csv,md}).
 """
 
 import datetime
@@ -12,19 +15,22 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
 
 matplotlib.use("Agg")  # figures go to files only, also on a machine with a display
 console = Console(stderr=True, soft_wrap=True)  # long warnings stay on one line (greppable logs)
 
 
-@dataclass
+@dataclass(eq=False)  # two runs with the same config are still two runs: compared (and hashed) by identity
 class Run:
     name: str
     config: dict
@@ -68,15 +74,26 @@ def _check_config(config: dict, where: str) -> None:
         raise ValueError(f"{where}: the run config has no {', '.join(missing)} (is it a run of this project's stages?)")
 
 
-def local_runs(runs_dir: str, exp_names: list, run_glob: Optional[str] = None) -> list:
-    """Runs in `runs_dir` (one folder with args.json each) of the given experiments, optionally only
-    folders whose name matches the shell pattern `run_glob`."""
+def pinned(name: str, pins: Sequence[str]) -> bool:
+    """Whether --runs (`pins`: run names or shell patterns) names this run."""
+    return any(fnmatch.fnmatch(name, pin) for pin in pins)
+
+
+def wanted(name: str, run_glob: Optional[str], pins: Sequence[str]) -> bool:
+    """A run is read when its name matches --run_glob (all when unset) or a --runs pin: a pinned run
+    counts even outside --run_glob, so pinning one run never needs the glob rewritten."""
+    return run_glob is None or fnmatch.fnmatch(name, run_glob) or pinned(name, pins)
+
+
+def local_runs(runs_dir: str, exp_names: list, run_glob: Optional[str] = None, pins: Sequence[str] = ()) -> list:
+    """Runs in `runs_dir` (one folder with args.json each) of the given experiments whose folder name
+    is `wanted`. The name is checked first: other projects' folders outside the glob are not read."""
     if not os.path.isdir(runs_dir):
         raise FileNotFoundError(f"no run folder {runs_dir!r}: run the stages first or pass --runs_dir")
     runs = []
     for name in sorted(os.listdir(runs_dir)):
         args_file = os.path.join(runs_dir, name, "args.json")
-        if not os.path.isfile(args_file) or (run_glob and not fnmatch.fnmatch(name, run_glob)):
+        if not os.path.isfile(args_file) or not wanted(name, run_glob, pins):
             continue
         with open(args_file) as f:
             config = json.load(f)
@@ -94,9 +111,10 @@ def _start_time(run_name: str, args_file: str) -> float:
     return float(last) if "__" in run_name and last.isdigit() else os.path.getmtime(args_file)
 
 
-def wandb_runs(project: str, entity: Optional[str], exp_names: list, tags: list, run_glob: Optional[str] = None) -> list:
+def wandb_runs(project: str, entity: Optional[str], exp_names: list, tags: list, run_glob: Optional[str] = None,
+               pins: Sequence[str] = ()) -> list:
     """Runs of a wandb project (`wandb.Api`, needs network and a login) of the given experiments,
-    optionally only those with one of `tags` and a name matching `run_glob`."""
+    optionally only those with one of `tags`, whose name is `wanted`."""
     import wandb
 
     filters = {"config.exp_name": {"$in": list(exp_names)}}
@@ -105,7 +123,7 @@ def wandb_runs(project: str, entity: Optional[str], exp_names: list, tags: list,
     path = f"{entity}/{project}" if entity else project
     runs = []
     for run in wandb.Api().runs(path, filters=filters):
-        if run_glob and not fnmatch.fnmatch(run.name, run_glob):
+        if not wanted(run.name, run_glob, pins):
             continue
         config = dict(run.config)
         _check_config(config, f"wandb run {path}/{run.id}")
@@ -118,32 +136,113 @@ def wandb_runs(project: str, entity: Optional[str], exp_names: list, tags: list,
 
 
 def find_runs(source, exp_names: list) -> tuple:
-    """The newest run per (exp_name, base_model, seed) of `exp_names`, from where the script's Args
-    (`source`: runs_dir, wandb_project, wandb_entity, wandb_tags, run_glob) point: the local run
-    folders, or wandb with --wandb_project. Also returns that place, worded for messages."""
+    """Every run of `exp_names` where the script's Args (`source`: runs_dir, wandb_project,
+    wandb_entity, wandb_tags, run_glob, runs) point: the local run folders, or wandb with
+    --wandb_project; use_runs picks one per key. Also returns that place, worded for messages."""
     if source.wandb_project:
-        runs = wandb_runs(source.wandb_project, source.wandb_entity, exp_names, source.wandb_tags, source.run_glob)
+        runs = wandb_runs(source.wandb_project, source.wandb_entity, exp_names, source.wandb_tags, source.run_glob,
+                          source.runs)
         where = f"wandb project {source.wandb_project}"
     else:
-        runs = local_runs(source.runs_dir, exp_names, source.run_glob)
+        runs = local_runs(source.runs_dir, exp_names, source.run_glob, source.runs)
         where = source.runs_dir
-    return newest_per_key(runs), where + (f" matching {source.run_glob!r}" if source.run_glob else "")
+    return runs, where + (f" matching {source.run_glob!r}" if source.run_glob else "")
 
 
-def newest_per_key(runs: list) -> list:
-    """One run per (exp_name, base_model, seed): the newest, with a warning naming the others."""
+# ---------------------------------------------------------------------------------------------
+# which run of a key makes the plots
+# ---------------------------------------------------------------------------------------------
+
+REPORT_COLUMNS = ["exp_name", "base_model", "seed", "run_name", "started", "status", "why"]
+
+
+def choose_runs(runs: list, pins: Sequence[str], lacks: Callable) -> tuple:
+    """The run each (exp_name, base_model, seed) uses, and the report of that choice: one row per run
+    (REPORT_COLUMNS), keys in order, newest run first within a key, `status` used or set aside.
+
+    A key's candidates are its runs pinned with --runs if it has any, else all its runs; it uses
+    the newest candidate that has what the plots need (`lacks(run)`: what it misses, None when
+    nothing). So a newer debug run without --run_eval never displaces a complete run, and nothing
+    displaces a pinned one. A pinned run that lacks something is an error (the pin asked for exactly
+    that run); a key none of whose runs is complete uses none, and the report says what each lacks."""
     by_key = {}
     for run in runs:
         by_key.setdefault(run.key, []).append(run)
-    kept = []
-    for key, group in by_key.items():
-        group.sort(key=lambda r: r.created)
-        if len(group) > 1:
-            console.print(f"[yellow]warning:[/yellow] {len(group)} runs for exp_name={key[0]} base_model={key[1]} "
-                          f"seed={key[2]}: keeping the newest, {group[-1].name}; ignoring "
-                          f"{', '.join(r.name for r in group[:-1])} (use --run_glob to choose)")
-        kept.append(group[-1])
-    return sorted(kept, key=lambda r: (r.config["exp_name"], str(r.config["base_model"]), str(r.config["seed"])))
+    used, rows = [], []
+    for key in sorted(by_key, key=lambda k: tuple(map(str, k))):
+        group = sorted(by_key[key], key=lambda r: (r.created, r.name), reverse=True)
+        missing = {run: lacks(run) for run in group}
+        pinned_runs = [run for run in group if pinned(run.name, pins)]
+        complete = [run for run in pinned_runs or group if missing[run] is None]
+        if pinned_runs and not complete:
+            raise SystemExit(f"--runs pins {', '.join(r.name for r in pinned_runs)} for exp_name={key[0]} "
+                             f"base_model={key[1]} seed={key[2]}, but "
+                             + "; ".join(f"{r.name} has {missing[r]}" for r in pinned_runs)
+                             + ": pin a run that has it, or drop the pin to use the newest run that has it")
+        chosen = complete[0] if complete else None
+        for position, run in enumerate(group):
+            if run is chosen:
+                why = ("pinned (--runs)" if pinned_runs else "newest" if position == 0
+                       else "newest with what the plots need")
+            elif pinned_runs and run not in pinned_runs:
+                why = "not pinned (--runs)"
+            elif missing[run] is not None:  # a newer run set aside is the one a reader must not miss
+                why = ("newer, but " if chosen and position < group.index(chosen) else "") + missing[run]
+            else:
+                why = "older"
+            rows.append({"exp_name": key[0], "base_model": key[1], "seed": key[2], "run_name": run.name,
+                         "started": started(run), "status": "used" if run is chosen else "set aside", "why": why})
+        if chosen is not None:
+            used.append(chosen)
+    return used, pd.DataFrame(rows, columns=REPORT_COLUMNS)
+
+
+def started(run) -> str:
+    """When the run started, in UTC (the same in every reader's time zone)."""
+    return datetime.datetime.fromtimestamp(run.created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def use_runs(runs: list, source, where: str, lacks: Callable, script: str) -> list:
+    """The runs that make the plots (choose_runs over `runs` with the --runs pins of `source`). The
+    choice is printed as a table before any plot (not one warning among the plots' messages) and
+    written to `source.out` as runs_used_<script>.{csv,md}, so a reader of the plots sees which runs
+    made them."""
+    used, report = choose_runs(runs, source.runs, lacks)
+    notes = [f"--runs {pin!r} matches none of the runs found: it pins nothing"
+             for pin in source.runs if not any(pinned(run.name, [pin]) for run in runs)]
+    name = os.path.join(source.out, f"runs_used_{script}")
+    os.makedirs(source.out, exist_ok=True)
+    report.to_csv(f"{name}.csv", index=False)
+    with open(f"{name}.md", "w") as f:
+        f.write(f"# Runs of {script}.py\n\nFrom {where}: every run found, newest first within each (exp_name, "
+                f"base_model, seed); the `used` ones made the plots.\n\n{markdown_table(report)}")
+        f.write("".join(f"\n{note}\n" for note in notes))
+        if used:  # pinning them all redraws these plots whatever runs come later
+            f.write(f"\nTo draw the plots from exactly these runs: `--runs {' '.join(run.name for run in used)}`\n")
+    set_aside = (report["status"] == "set aside").sum()
+    print_report(report, f"runs of {script}.py from {where}: {len(used)} used, {set_aside} set aside "
+                         f"(also in {name}.md)")
+    for note in notes:
+        console.print(f"[yellow]warning:[/yellow] {escape(note)}")
+    return used
+
+
+def print_report(report: pd.DataFrame, title: str) -> None:
+    """The report as a table, one section per key: used runs green, newer runs set aside yellow (the
+    ones to look at), the other set-aside runs dim. Names are shown as they are (a run name or a glob
+    may hold [...], which rich would read as markup)."""
+    table = Table()
+    for column in report.columns:
+        table.add_column(column)
+    for i, row in enumerate(report.itertuples(index=False)):
+        if i and row[:3] != tuple(report.iloc[i - 1, :3]):
+            table.add_section()
+        style = "green" if row.status == "used" else "yellow" if row.why.startswith("newer") else "dim"
+        table.add_row(*(Text(str(value)) for value in row), style=style)
+    # as wide as its rows: an 80-column log would fold every name into fragments, hard to read and to grep
+    wide = Console(stderr=True, width=max(console.width, 250))
+    wide.print(Text(title, style="bold"))
+    wide.print(table)
 
 
 # ---------------------------------------------------------------------------------------------

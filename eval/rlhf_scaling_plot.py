@@ -11,11 +11,14 @@ key; sft.py, ppo_left_padding.py and dpo.py write these tables with --run_eval. 
 says its policy: --sft_exp_name (SFT), --ppo_exp_name (PPO), --dpo_exp_name (DPO), three different
 names; plots and tables list the policies in that order, and a policy without runs is simply absent
 (without DPO runs the outputs are those of SFT and PPO alone). Runs are grouped by (exp_name,
-base_model, seed), the newest run of a key is kept. A judge compares every response with its
-reference (see eval/judges.py): `gold`, the synthetic task's exact judge, or `chat`, an LLM behind
-an OpenAI-compatible API (cached, so a rerun costs nothing).
+base_model, seed); a key uses its run pinned with --runs, else its newest run that has the table,
+so a newer run without --run_eval does not displace a complete one. A judge compares every response
+with its reference (see eval/judges.py): `gold`, the synthetic task's exact judge, or `chat`, an LLM
+behind an OpenAI-compatible API (cached, so a rerun costs nothing).
 
 Writes to --out:
+- runs_used_rlhf_scaling_plot.{csv,md}: every run found, which one each key used and why the
+  others were set aside (also printed first);
 - rlhf_scale_plot.{png,pdf,csv,md}: win rate vs model size, each seed and the mean +- std (ddof=1);
 - rlhf_scale_plot_runs.{csv,md}: per run counts (wins, ties, losses, unparsed), win rate, mean length
   (by policy, then in run order);
@@ -36,7 +39,7 @@ import pandas as pd
 import tyro
 
 from common import (check_exp_names, console, either, find_runs, finish_scaling_axes, format_size, model_sizes,
-                    parse_size_overrides, plot_over_sizes, save_figure, seed_summary, shifts, write_table)
+                    parse_size_overrides, plot_over_sizes, save_figure, seed_summary, shifts, use_runs, write_table)
 from judges import EOS_TEXT, PAD_TEXT, ChatJudge, ChatJudgeConfig, gold_verdicts, win_counts
 
 
@@ -52,6 +55,9 @@ class Args:
     """only wandb runs with one of these tags (all when empty)"""
     run_glob: Optional[str] = None
     """only runs whose name matches this shell pattern, e.g. 'hello_world_*'"""
+    runs: list[str] = field(default_factory=list)
+    """pin runs (names or shell patterns): a pinned run is used for its (exp_name, base_model, seed)
+    whatever newer runs exist, and is read even outside --run_glob"""
     sft_exp_name: str = "sft"
     """exp_name of the SFT runs"""
     ppo_exp_name: str = "ppo_left_padding"
@@ -80,18 +86,23 @@ POLICY_COLORS = {"SFT": "tab:blue", "PPO": "tab:orange", "DPO": "tab:green"}
 TABLE_COLUMNS = ("query", "postprocessed_response", "reference_responses")
 
 
-def load_table(run, name: str, download_dir: str) -> Optional[pd.DataFrame]:
-    """The run's eval table, or None if it has none (a run without --run_eval, or still running)."""
+def has_table(run, name: str) -> bool:
+    """Whether the run saved the eval table `name` (a run without --run_eval, or still running, did
+    not); nothing is downloaded."""
+    if run.folder is not None:
+        return os.path.isfile(os.path.join(run.folder, f"{name}.csv"))
+    # wandb.log({name: wandb.Table(...)}) leaves a reference to the table's JSON file in the summary
+    ref = run.wandb_run.summary_metrics.get(name)
+    return isinstance(ref, dict) and ref.get("_type") == "table-file"
+
+
+def load_table(run, name: str, download_dir: str) -> pd.DataFrame:
+    """The run's eval table (one it has: see has_table)."""
     if run.folder is not None:
         path = os.path.join(run.folder, f"{name}.csv")
-        if not os.path.isfile(path):
-            return None
         table, where = pd.read_csv(path, keep_default_na=False), path  # an empty response stays ""
     else:
-        # wandb.log({name: wandb.Table(...)}) leaves a reference to the table's JSON file in the summary
-        ref = run.wandb_run.summary_metrics.get(name)
-        if not isinstance(ref, dict) or ref.get("_type") != "table-file":
-            return None
+        ref = run.wandb_run.summary_metrics[name]
         run.wandb_run.file(ref["path"]).download(root=download_dir, replace=True)
         with open(os.path.join(download_dir, ref["path"])) as f:
             data = json.load(f)
@@ -123,7 +134,7 @@ def run_tokenizer(run, override: Optional[str], loaded: dict):
 
 def per_run_table(judged: pd.DataFrame) -> pd.DataFrame:
     """One row per run: verdict counts, win rate (ties half, unparsed left out), mean length; by
-    policy (SFT, PPO, DPO), the runs of a policy in the order find_runs gave them."""
+    policy (SFT, PPO, DPO), the runs of a policy in the order use_runs gave them."""
     rows = []
     for (policy, base_model, model_size, seed, run_name), frame in judged.groupby(
             ["policy", "base_model", "model_size", "seed", "run_name"], sort=False):
@@ -182,18 +193,15 @@ def main(args: Args) -> None:
     judge_name = "gold judge" if judge is None else f"{args.chat.model} judge"
 
     # 1. the runs and their eval tables
-    runs, where = find_runs(args, list(policies))
-    tables = {}
-    with tempfile.TemporaryDirectory() as download_dir:
-        for run in runs:
-            table = load_table(run, args.table, download_dir)
-            if table is None:
-                console.print(f"[yellow]warning:[/yellow] run {run.name} has no {args.table} table; left out")
-            else:
-                tables[run.name] = table.head(args.num_rows) if args.num_rows else table
-    runs = [run for run in runs if run.name in tables]
+    found, where = find_runs(args, list(policies))
+    runs = use_runs(found, args, where, lambda run: None if has_table(run, args.table) else f"no {args.table} table",
+                    "rlhf_scaling_plot")
     if not runs:
         raise SystemExit(f"no {either(exp_names)} run with a {args.table} table in {where}")
+    with tempfile.TemporaryDirectory() as download_dir:
+        tables = {run.name: load_table(run, args.table, download_dir) for run in runs}
+    if args.num_rows:
+        tables = {name: table.head(args.num_rows) for name, table in tables.items()}
     sizes = model_sizes(runs, parse_size_overrides(args.model_size))
 
     # 2. every row of every table, judged in one go (one progress bar, one concurrency bound)

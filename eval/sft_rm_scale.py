@@ -7,7 +7,11 @@ std over seeds.
 Reads the final value of each metric of every SFT, reward and DPO run (--sft_exp_name,
 --reward_exp_name, --dpo_exp_name; three different names): the last line that logged it in
 `runs/<run_name>/metrics.jsonl`, or the run summary on wandb (same keys). Runs are grouped by
-(exp_name, base_model, seed); the newest run of a key is kept. Writes to --out:
+(exp_name, base_model, seed); a key uses its run pinned with --runs, else its newest run that has
+the metric its plots need (an SFT run ROUGE-L, a reward or DPO run an eval/rm/<split>/accuracy), so
+a newer run without --run_eval does not displace a complete one. Writes to --out:
+- runs_used_sft_rm_scale.{csv,md}: every run found, which one each key used and why the others
+  were set aside (also printed first);
 - rouge_score_plot.{png,pdf,csv,md}: SFT `validation/sft/rouge/rougeL`;
 - rm_scale_plot.{png,pdf,csv,md}: `eval/rm/validation/accuracy` (TL;DR) and
   `eval/rm/validation_cnndm/accuracy` (out of distribution: CNN/DM, or its synthetic stand-in);
@@ -20,7 +24,6 @@ Each table row is one plotted mean: its seeds, their values, the mean and the st
 with a single seed).
 """
 
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,7 +32,7 @@ import pandas as pd
 import tyro
 
 from common import (check_exp_names, console, either, find_runs, finish_scaling_axes, model_label, model_sizes,
-                    parse_size_overrides, plot_over_sizes, save_figure, seed_summary, shifts, write_table)
+                    parse_size_overrides, plot_over_sizes, save_figure, seed_summary, shifts, use_runs, write_table)
 from summarize_from_feedback_details.hello_world_report import last_metrics
 
 
@@ -45,6 +48,9 @@ class Args:
     """only wandb runs with one of these tags (all when empty)"""
     run_glob: Optional[str] = None
     """only runs whose name matches this shell pattern, e.g. 'hello_world_*'"""
+    runs: list[str] = field(default_factory=list)
+    """pin runs (names or shell patterns): a pinned run is used for its (exp_name, base_model, seed)
+    whatever newer runs exist, and is read even outside --run_glob"""
     sft_exp_name: str = "sft"
     """exp_name of the SFT runs"""
     reward_exp_name: str = "reward"
@@ -71,9 +77,17 @@ def final_metrics(run) -> dict:
     return last_metrics(run.folder) if run.folder is not None else dict(run.wandb_run.summary_metrics)
 
 
+def lacks(run, metrics: dict, sft_exp_name: str) -> Optional[str]:
+    """What the run misses for its plots (None: nothing): an SFT run its ROUGE-L, a reward or DPO run
+    every eval/rm/<split>/accuracy. A run without --run_eval, or stopped before its eval, has none."""
+    if run.config["exp_name"] == sft_exp_name:
+        return None if ROUGE in metrics else f"no {ROUGE}"
+    return None if any(f"eval/rm/{split}/accuracy" in metrics for split in RM_SPLITS) else "no eval/rm/*/accuracy"
+
+
 def per_seed_values(runs: list, metrics: dict, sizes: dict, key: str) -> pd.DataFrame:
     """One row per run that logged `key`: base_model, model_size, seed, run_name, value. Runs
-    without it (no --run_eval, crashed) are left out with a warning."""
+    without it (a reward run evaluated on one split only) are left out with a warning."""
     rows = []
     for run in runs:
         if key in metrics[run.name]:
@@ -189,13 +203,13 @@ def rm_dpo_plot(rm_accuracy: pd.DataFrame, dpo_accuracy: pd.DataFrame, out: str)
 def main(args: Args) -> None:
     exp_names = check_exp_names({"--sft_exp_name": args.sft_exp_name, "--reward_exp_name": args.reward_exp_name,
                                  "--dpo_exp_name": args.dpo_exp_name})
-    runs, where = find_runs(args, exp_names)
-    if not runs:
+    found, where = find_runs(args, exp_names)
+    if not found:
         raise SystemExit(f"no {either(exp_names)} run in {where}")
+    metrics = {run.name: final_metrics(run) for run in found}  # of every run found: they decide which is used
+    runs = use_runs(found, args, where, lambda run: lacks(run, metrics[run.name], args.sft_exp_name), "sft_rm_scale")
     sizes = model_sizes(runs, parse_size_overrides(args.model_size))
-    metrics = {run.name: final_metrics(run) for run in runs}
     sft_runs, rm_runs, dpo_runs = ([r for r in runs if r.config["exp_name"] == name] for name in exp_names)
-    os.makedirs(args.out, exist_ok=True)
 
     # 1. SFT ROUGE-L vs model size
     rouge = per_seed_values(sft_runs, metrics, sizes, ROUGE)

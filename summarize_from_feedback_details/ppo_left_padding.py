@@ -54,7 +54,6 @@ import torch
 import tyro
 from accelerate import Accelerator
 from accelerate.utils import gather_object
-from rich.progress import track
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig
 
@@ -70,10 +69,15 @@ class PpoHParams:
     noptepochs: int = 4
     """PPO epochs over each rollout batch"""
     vf_coef: float = 0.1
+    """weight of the value loss in the joint loss of policy and critic"""
     cliprange: float = 0.2
+    """clip range of the policy ratio in the surrogate loss"""
     cliprange_value: float = 0.2
+    """clip range of the new values around the rollout's values in the value loss"""
     gamma: float = 1.0
+    """discount factor of the returns and GAE (1: none)"""
     lam: float = 0.95
+    """GAE lambda"""
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked, mean kept) before GAE; off in the released runs"""
     kl_coef: float = 0.05
@@ -97,7 +101,9 @@ class PpoHParams:
 class Args:
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the experiment: the start of the run name and, with --push_to_hub, part of the repo name"""
     seed: int = 1
+    """global seed: query order, sampling, minibatches, and each process's seeds (seed + rank * 100003)"""
     run_name: Optional[str] = None
     """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
     deepspeed: bool = False
@@ -116,18 +122,22 @@ class Args:
     lr: float = 3e-6
     """initial learning rate, annealed linearly to lr / num_updates at the last update"""
     eps: float = 1e-5
+    """epsilon of Adam(W)'s denominator (the paper's 1e-5; torch's default is 1e-8)"""
     weight_decay: float = 0.01
     """AdamW weight decay (the paper's runs got 0.01 silently from torch's default)"""
     max_grad_norm: Optional[float] = None
     """clip the global gradient norm (policy and critic together) at this value, the same way with and
     without DeepSpeed; unset or <= 0: no clipping, which is what the paper's runs did (DESIGN section 4)"""
     optimizer: Literal["adamw", "adam"] = "adamw"
+    """`adamw`: decoupled weight decay; `adam`: torch's Adam, which adds --weight_decay to the gradient (L2)"""
 
     # batch sizes, in episodes (queries): local_batch_size = local_micro_batch_size *
     # gradient_accumulation_steps * nminibatches, batch_size = local_batch_size * world_size
     gradient_accumulation_steps: int = 64
     """micro-batches per minibatch (one optimizer step per minibatch)"""
     local_micro_batch_size: int = 1
+    """episodes per forward/backward in the PPO epochs on each process: a memory knob (with the default
+    --ppo.loss_normalization the update does not change)"""
     nminibatches: int = 1
     """minibatches (optimizer steps) per PPO epoch"""
     gradient_checkpointing: bool = False
@@ -139,7 +149,9 @@ class Args:
     """train LoRA adapters (peft) instead of every weight. <output_dir> gets the adapter merged in
     (plain transformers loads it; every later stage reads it) and <output_dir>/adapter the adapter alone"""
     lora_r: int = 16
+    """rank of the LoRA adapters of policy and critic (the critic's head trains in full)"""
     lora_alpha: float = 32.0
+    """LoRA scaling: an adapter's update is multiplied by lora_alpha / lora_r"""
     lora_dropout: float = 0.0
     """dropout on the adapters' input. The stages run without dropout (N+ detail); > 0 makes the
     training forwards differ from the rollouts', so PPO's first ratio is no longer 1"""
@@ -150,6 +162,7 @@ class Args:
     GPU or an x86-64 CPU with AVX2; not under DeepSpeed). The saved merged model puts the adapter on the
     full-precision base (QLoRA's usual export)"""
     total_episodes: int = 1_000_000
+    """episodes (query + sampled response) of the whole run, the paper's 1M; num_updates = this // batch_size"""
     local_eval_batch_size: int = 2
     """queries per process for the per-update validation score and in the final eval"""
     local_rollout_forward_batch_size: int = 64
@@ -180,6 +193,7 @@ class Args:
     query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
     """hub name or a local `save_to_disk` folder from tldr_dataset.py (the SFT dataset)"""
     response_length: int = 53
+    """tokens sampled per query in rollouts, validation and eval (53 for TL;DR)"""
     truncate_token: Literal["eos"] = "eos"
     """responses are cut after their first EOS (the only choice, as in the paper's runs)"""
     temperature: float = 0.7
@@ -189,6 +203,7 @@ class Args:
     penalty_reward_value: float = -1.0
     """the score of a response without EOS (with --non_eos_penalty)"""
     non_eos_penalty: bool = True
+    """the EOS trick: a rollout response without EOS gets --penalty_reward_value as its score (eval is unpenalised)"""
 
     # checkpoints (DESIGN section 15): in `<output_dir>/checkpoints`
     checkpoint_every: int = 0
@@ -200,13 +215,22 @@ class Args:
     accept_changed_settings: bool = False
     """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
     from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """what a non-finite loss, gradient norm or rollout score, value or advantage does: `stop` ends the run (exit 1)
+    naming the update, phase and tensor, saves no model and keeps the last checkpoint; `skip` skips that optimizer
+    step (a rollout's: the rest of its update) and counts it (`nonfinite/skipped`)"""
 
     # tracking and output
     track: bool = False
+    """also log to Weights & Biases (TensorBoard events and metrics.jsonl in runs/<run_name> are always written)"""
     wandb_project_name: str = "tldr_summarize"
+    """the wandb project of --track"""
     wandb_entity: Optional[str] = None
+    """the wandb team or user of --track (None: your default entity)"""
     push_to_hub: bool = False
+    """upload the saved policy to <hf_entity>/<base_model>__<exp_name>__tldr, revision <run_name> (else no hub call)"""
     hf_entity: Optional[str] = None
+    """the hub user or organisation of --push_to_hub (None: the logged-in user)"""
     output_dir: str = "models/ppo_model"
     """where the trained policy goes ("" saves nothing)"""
 
@@ -214,11 +238,17 @@ class Args:
 
     # filled in at run time
     world_size: Optional[int] = None
+    """derived: the number of processes (a value given here is ignored)"""
     local_mini_batch_size: Optional[int] = None
+    """derived: local_micro_batch_size x gradient_accumulation_steps (a value given here is ignored)"""
     local_batch_size: Optional[int] = None
+    """derived: local_mini_batch_size x nminibatches, episodes per process and update (a value given is ignored)"""
     mini_batch_size: Optional[int] = None
+    """derived: local_mini_batch_size x world_size (a value given here is ignored)"""
     batch_size: Optional[int] = None
+    """derived: local_batch_size x world_size, episodes per update, the paper's 512 (a value given is ignored)"""
     num_updates: Optional[int] = None
+    """derived: total_episodes // batch_size (a value given here is ignored)"""
 
 
 QUERY_COLUMNS = ("query_token", "reference_response_token")
@@ -684,7 +714,7 @@ def main(args: Args) -> None:
                            "num_updates": args.num_updates,
                            "local_rollout_forward_batch_size": args.local_rollout_forward_batch_size},
                     generates=True)
-    accelerator, start_update, clip_norm = run.accelerator, run.start_update, run.clip_norm
+    accelerator, start_update = run.accelerator, run.start_update
     run.print_batch_arithmetic("episodes", f"whitening {'per rank' if args.ppo.whiten_per_rank else 'global'}",
                                f"loss normalised per {args.ppo.loss_normalization.replace('_', '-')}",
                                f"offload {args.offload}")
@@ -734,8 +764,8 @@ def main(args: Args) -> None:
     # train mode would also switch off generation's KV cache: eval for rollouts, train for the epochs.
     iter_loader = iter(train_loader)
     start = time.time()
-    for update in track(range(start_update + 1, args.num_updates + 1), description="ppo",
-                        disable=not accelerator.is_main_process):
+    for update in run.progress(range(start_update + 1, args.num_updates + 1), args.num_updates - start_update, "ppo",
+                               ("objective/scores", "objective/kl")):
         data = next(iter_loader)
         timer = PhaseTimer(device)  # time/ and throughput/ metrics: seconds of this update by phase (rank 0's)
         # linear annealing from lr (first update) to lr / num_updates (last update), as the paper
@@ -813,6 +843,10 @@ def main(args: Args) -> None:
                 accelerator, query_responses, responses, logprobs, values, advantages, returns, padding_mask,
                 padding_mask_p1, kl, non_score_reward, scores, contain_eos, sequence_lengths)
 
+        if not run.all_finite(update, "rollout", scores=scores, values=values, advantages=advantages):
+            checkpoints.after_update(update, args.run_name, logger)  # (--on_nonfinite skip: no training on it)
+            continue
+
         # ---- PPO epochs -------------------------------------------------------------------
         model.train()
         with timer("ppo_epochs"):
@@ -850,10 +884,7 @@ def main(args: Args) -> None:
                             # accelerate divides by the accumulation steps and DDP averages over ranks:
                             # undo both so the gradient is exactly that of the minibatch objective
                             accelerator.backward(loss * ga * num_processes)
-                            if accelerator.sync_gradients and clip_norm is not None:  # (DeepSpeed: in its step)
-                                accelerator.clip_grad_norm_(model.parameters(), clip_norm)
-                            optimizer.step()
-                            optimizer.zero_grad()
+                            run.optimizer_step(model, optimizer, update, loss)  # (clipping; --on_nonfinite)
                         with torch.no_grad():
                             stats[epoch, minibatch] += torch.cat([
                                 torch.stack([pg_loss.detach(), vf_loss.detach()]),
@@ -891,7 +922,8 @@ def main(args: Args) -> None:
     model.eval()
     if args.run_eval:
         for split, loader in eval_loaders.items():
-            eval_metrics, table = evaluate(accelerator, unwrapped.policy, reward_model, tokenizer, loader, eval_config)
+            eval_metrics, table = evaluate(accelerator, unwrapped.policy, reward_model, tokenizer, run.progress(
+                loader, len(loader), f"eval {split}", stoppable=True), eval_config)
             logger.log({f"eval/{split}/{k}": v for k, v in eval_metrics.items()}, args.num_updates)
             logger.table(f"{split}_table", table)
             run.print(f"{split}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
@@ -903,4 +935,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    from summarize_from_feedback_details.run_infra import parse_args  # tyro.cli, knowing other codebases' flags
+    main(parse_args(Args))

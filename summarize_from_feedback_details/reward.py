@@ -42,20 +42,23 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from rich.progress import track
 from torch.utils.data import DataLoader
-from transformers import get_scheduler
 
+# (run_infra before transformers' optimization module: it quiets the libraries' import noise)
 from summarize_from_feedback_details.run_infra import (PhaseTimer, enable_gradient_checkpointing, load_reward_model,
                                                        load_split_dataset, load_tokenizer, quantization,
-                                                       start_run, trainable_parameters, with_lora)
+                                                       require_splits, start_run, trainable_parameters, with_lora)
+from transformers import get_scheduler  # noqa: E402
 
 
 @dataclass
 class Args:
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the experiment: the start of the run name and, with --push_to_hub, part of the repo name"""
     seed: int = 1
+    """global seed: the data order, the reward head's initialisation, and each process's python/numpy/torch
+    seed (seed + rank * 100003)"""
     run_name: Optional[str] = None
     """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
     deepspeed: bool = False
@@ -65,21 +68,30 @@ class Args:
 
     # optimizer
     lr: float = 3e-6
+    """peak learning rate (the paper's 3e-6), decayed by --scheduler over the updates"""
     eps: float = 1e-5
+    """epsilon of Adam(W)'s denominator (the paper's 1e-5; torch's default is 1e-8)"""
     weight_decay: float = 0.01
     """AdamW weight decay (the paper's runs got 0.01 silently from torch's default)"""
     max_grad_norm: Optional[float] = None
     """clip the global gradient norm at this value, the same way with and without DeepSpeed; unset or
     <= 0: no clipping, which is what the paper's runs did (DESIGN section 4)"""
     optimizer: Literal["adamw", "adam"] = "adamw"
+    """`adamw`: decoupled weight decay; `adam`: torch's Adam, which adds --weight_decay to the gradient (L2)"""
     scheduler: str = "cosine"
+    """learning-rate schedule over the updates, by transformers' get_scheduler name (cosine, linear, constant, ...)"""
     warm_up_steps: int = 0
+    """updates of warm-up at the start of the schedule (0: none, as in the paper)"""
 
     # batch sizes (in preference pairs); local_batch_size = local_micro_batch_size *
     # gradient_accumulation_steps, batch_size = local_batch_size * world_size
     num_train_epochs: int = 1
+    """passes over the preference pairs, when --total_episodes is not given"""
     gradient_accumulation_steps: int = 8
+    """micro-batches per update on each process (derived from --batch_size when that is given)"""
     local_micro_batch_size: int = 1
+    """pairs per forward/backward on each process (chosen and rejected in one pass): a memory knob, the update
+    does not change"""
     batch_size: Optional[int] = None
     """global batch: if given, gradient_accumulation_steps is derived from it (must divide exactly)"""
     local_eval_batch_size: int = 1
@@ -94,7 +106,9 @@ class Args:
     """train LoRA adapters (peft) instead of every weight. <output_dir> gets the adapter merged in
     (plain transformers loads it; every later stage reads it) and <output_dir>/adapter the adapter alone"""
     lora_r: int = 16
+    """rank of the LoRA adapters (the reward head trains in full)"""
     lora_alpha: float = 32.0
+    """LoRA scaling: an adapter's update is multiplied by lora_alpha / lora_r"""
     lora_dropout: float = 0.0
     """dropout on the adapters' input. The stages run without dropout (N+ detail); > 0 makes the
     training forwards differ from the rollouts', so PPO's first ratio is no longer 1"""
@@ -130,19 +144,32 @@ class Args:
     accept_changed_settings: bool = False
     """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
     from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """what a non-finite loss or gradient norm does: `stop` ends the run (exit 1) naming the update, phase and
+    tensor, saves no model and keeps the last checkpoint; `skip` skips that optimizer step and counts it
+    (`nonfinite/skipped`)"""
 
     # tracking and output
     track: bool = False
+    """also log to Weights & Biases (TensorBoard events and metrics.jsonl in runs/<run_name> are always written)"""
     wandb_project_name: str = "tldr_summarize"
+    """the wandb project of --track"""
     wandb_entity: Optional[str] = None
+    """the wandb team or user of --track (None: your default entity)"""
     push_to_hub: bool = False
+    """upload the saved model to <hf_entity>/<base_model>__<exp_name>__tldr, revision <run_name> (else no hub call)"""
     hf_entity: Optional[str] = None
+    """the hub user or organisation of --push_to_hub (None: the logged-in user)"""
     output_dir: str = "models/reward_model"
+    """where the normalised reward model and tokenizer are saved, with checkpoints/ inside ("" saves nothing)"""
 
     # filled in at run time
     world_size: Optional[int] = None
+    """derived: the number of processes (a value given here is ignored)"""
     local_batch_size: Optional[int] = None
+    """derived: local_micro_batch_size x gradient_accumulation_steps (a value given here is ignored)"""
     num_updates: Optional[int] = None
+    """derived: total_episodes // batch_size (a value given here is ignored)"""
 
 
 TRAIN_COLUMNS = ("query_chosen_token", "query_rejected_token")
@@ -308,7 +335,7 @@ def reward_model_to_train(path: str, tokenizer, head_seed: Optional[int], **quan
     mixed precision is accelerate's job). From an SFT (causal-LM) checkpoint the LM head is dropped
     and a fresh head is initialised (`head_seed`); from a saved reward model (`head_seed=None`) the
     head is kept. `quantized`: from `quantization`."""
-    model = load_reward_model(path, tokenizer, **quantized)
+    model = load_reward_model(path, tokenizer, new_head=head_seed is not None, **quantized)
     if head_seed is not None:
         with full_parameters([model.score.weight]):
             init_score_head(model, head_seed)
@@ -366,7 +393,8 @@ def normalize_rewards(run, model, pad_id: int, reference_loader, logger, global_
     must agree. Returns the number of references with identical tokens whose two rewards differ by
     more than CONSISTENCY_TOLERANCE."""
     accelerator, unwrapped = run.accelerator, run.accelerator.unwrap_model(model)
-    scores = score_references(accelerator, model, pad_id, reference_loader, concatenated=True)
+    scores = score_references(accelerator, model, pad_id, run.progress(
+        reference_loader, len(reference_loader), "rewards of the SFT references", stoppable=True), concatenated=True)
     before = scores["reward"].double()
     with full_parameters([unwrapped.score.weight, final_norm(unwrapped).bias]):
         shift_rewards(unwrapped, -before.mean().item())
@@ -415,6 +443,8 @@ def main(args: Args) -> None:
     query_dataset = load_split_dataset(args.query_dataset, REFERENCE_COLUMNS, kind="SFT")
     if "train" not in label_dataset or "train" not in query_dataset:
         raise ValueError(f"{args.label_dataset} and {args.query_dataset} both need a `train` split")
+    if args.run_eval:
+        require_splits(label_dataset, args.label_dataset, ("validation",), "--run_eval")
     # `batch_size` may set the accumulation steps: derive them before the Accelerator exists
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     derive_batch_sizes(args, world_size, len(label_dataset["train"]))
@@ -423,7 +453,7 @@ def main(args: Args) -> None:
     run = start_run(args, {"stage": "reward", "seed": args.seed, "batch_size": args.batch_size,
                            "total_episodes": args.total_episodes, "num_updates": args.num_updates,
                            "order": f"per rank of {world_size}" if args.rank_dependent_shuffle else "global"})
-    accelerator, start_update, clip_norm = run.accelerator, run.start_update, run.clip_norm
+    accelerator, start_update = run.accelerator, run.start_update
     run.print_batch_arithmetic("pairs")
 
     tokenizer = load_tokenizer(args.base_model)
@@ -477,8 +507,8 @@ def main(args: Args) -> None:
     # (update, row index) of every pair trained on, over all ranks: train_pairs.csv
     trained_pairs = [tuple(pair) for pair in run.records] if run.records else []
     start = time.time()
-    for batch in track(train_loader, total=args.num_updates - start_update, description="reward",
-                       disable=not accelerator.is_main_process):
+    for batch in run.progress(train_loader, args.num_updates - start_update, "reward",
+                              ("train/rm/loss", "train/rm/accuracy")):
         if update == args.num_updates:
             break
         update += 1
@@ -495,10 +525,7 @@ def main(args: Args) -> None:
                 # accelerate divides by the accumulation steps and DDP averages over ranks: undo
                 # both so the gradient is exactly that of the global-batch mean loss
                 accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
-                if accelerator.sync_gradients and clip_norm is not None:  # (DeepSpeed clips inside its step)
-                    accelerator.clip_grad_norm_(model.parameters(), clip_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+                run.optimizer_step(model, optimizer, update, loss)  # (clipping; --on_nonfinite)
             stats += torch.stack([loss.detach(), (chosen > rejected).sum().float(), chosen.detach().sum(),
                                   rejected.detach().sum()]).float()
         scheduler.step()
@@ -523,7 +550,8 @@ def main(args: Args) -> None:
 
     if args.run_eval:
         for split, loader in eval_loaders.items():
-            metrics, table = evaluate(accelerator, model, pad_id, loader, eval_sets[split])
+            metrics, table = evaluate(accelerator, model, pad_id, run.progress(
+                loader, len(loader), f"eval {split}", stoppable=True), eval_sets[split])
             logger.table(f"eval_{split}_table", table)
             metrics = {**accuracy_breakdown(table, split), **{f"eval/rm/{split}/{k}": v for k, v in metrics.items()}}
             logger.log(metrics, global_step)
@@ -543,4 +571,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    from summarize_from_feedback_details.run_infra import parse_args  # tyro.cli, knowing other codebases' flags
+    main(parse_args(Args))

@@ -24,33 +24,62 @@ every stage, and is written once:
 - `Logger`: TensorBoard + metrics.jsonl + wandb, continued exactly by a resumed run;
 - `Checkpoints`: atomic checkpoints, exact resume on any process count, the stop signals;
 - `PhaseTimer`: seconds per phase of an update;
-- `push_to_hub`: only with --push_to_hub, no hub call otherwise.
+- `push_to_hub`: only with --push_to_hub, no hub call otherwise;
+- no silent failure: `checked_load` refuses a checkpoint without the head a stage needs,
+  `Run.optimizer_step` / `Run.all_finite` stop a run at a non-finite loss, gradient or rollout
+  value (--on_nonfinite), `progress` prints plain lines with an ETA where no terminal shows a bar,
+  `lock_output_dir` keeps a second run out of a folder in use, `run_summary` ends every run;
+- `parse_args`: the command line, with our names for flags that TRL, CleanRL or the paper's
+  scripts name differently.
 
 No base classes, callbacks or hooks: plain functions and a few concrete classes that a stage calls
 where the reader sees it.
 """
 
 import contextlib
+import dataclasses
+import datetime
+import fcntl
 import json
+import logging
+import math
 import os
 import platform
 import random
 import shutil
 import signal
 import subprocess
+import sys
 import time
+import typing
 from dataclasses import asdict
 from typing import Optional
 
 import numpy as np
 import pandas as pd
 import torch
+import tyro
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast
 from datasets import load_dataset, load_from_disk
 from rich.console import Console
+from rich.progress import Progress as RichProgress
+from rich.progress import TextColumn
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
+from transformers.utils import logging as transformers_logging
+
+# Library noise that buried a run's own lines. A stage imports this module before transformers'
+# optimization module, which imports peft, which imports bitsandbytes, which warns on every command
+# (--help included) that an optional CPU kernel package is missing. DeepSpeed warns that it falls
+# back to the CPU wherever there is no GPU (and is told so here). transformers draws a progress bar
+# and prints a load report for every model: the loaders below check what the report would show
+# (a head missing from the checkpoint) and stop with what it means.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+transformers_logging.set_verbosity_error()
+transformers_logging.disable_progress_bar()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,21 +142,45 @@ def frozen_dtype(mixed_precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
 
 
+def checked_load(model_class, path: str, expected: str, new_head: Optional[str] = None, **kwargs):
+    """`model_class.from_pretrained(path, **kwargs)`, refused where the checkpoint is not `expected`
+    ("causal LM" or "reward model"): transformers loads a causal LM as a sequence classifier (and the
+    reverse) with a freshly initialised head and only a load report to say so, and a run would then
+    train against a random reward or sample from a random LM head. `new_head`: the name of the head
+    the caller initialises itself (reward.py's score head over an SFT model), allowed to be missing."""
+    model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    missing = sorted(k for k in info["missing_keys"] if not (new_head and k.split(".")[0] == new_head))
+    architectures = getattr(model.config, "architectures", None) or []
+    suffix = {"causal LM": "ForCausalLM", "reward model": "ForSequenceClassification"}[expected]
+    wrong_kind = new_head is None and architectures and not any(a.endswith(suffix) for a in architectures)
+    if missing or wrong_kind:
+        found = f"a {', '.join(architectures)} checkpoint" if architectures else "a checkpoint of unnamed architecture"
+        lacks = f", without {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else ""
+        hint = (" (a reward model from reward.py)" if expected == "reward model"
+                else " (a base model or a policy from sft.py, ppo or dpo)")
+        raise ValueError(f"{path}: expected a {expected}{hint}, found {found}{lacks}: loading it would start "
+                         "those weights from random values")
+    return model
+
+
 def load_policy(path: str, tokenizer, dtype: torch.dtype = torch.float32, **quantized):
     """A causal LM in `dtype` whatever the checkpoint's (fp32 master weights for the trained policy;
     mixed precision is accelerate's job); `quantized`: from `quantization`."""
     check_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **quantized)
+    model = checked_load(AutoModelForCausalLM, path, "causal LM", dtype=dtype, **quantized)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     disable_dropout(model)
     return model
 
 
-def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, **quantized):
-    """A saved reward model (reward.py), head and normalisation included, in `dtype`."""
+def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, new_head: bool = False,
+                      **quantized):
+    """A saved reward model (reward.py), head and normalisation included, in `dtype`; with `new_head`,
+    any backbone (an SFT model) under a score head that the caller initialises."""
     check_model_path(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, **quantized)
+    model = checked_load(AutoModelForSequenceClassification, path, "reward model", "score" if new_head else None,
+                         num_labels=1, dtype=dtype, **quantized)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     # HF's pooling reads the rightmost token that is not config.pad_token_id: the EOS
@@ -202,7 +255,13 @@ def with_lora(model, args, head: Optional[str] = None):
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                         target_modules="all-linear" if targets == ["all-linear"] else targets,
                         modules_to_save=[head] if head else None)
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # peft's message names none of the modules that do exist
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise ValueError(f"--lora_target_modules {' '.join(targets)}: {str(e).rstrip('.')}. This model's linear "
+                         f"layers are named {' '.join(linear)} (or use all-linear)") from None
 
 
 def trainable_parameters(model) -> str:
@@ -351,12 +410,14 @@ def lora_identity(args) -> Optional[list]:
     return [args.lora_r, args.lora_alpha, args.lora_target_modules, args.load_in_4bit] if args.use_peft else None
 
 
-# Args a resumed run may change: memory and speed knobs (they change no result), and how the run is
-# launched, logged and saved; every other field must be the checkpoint's (--accept_changed_settings)
+# Args a resumed run may change: memory and speed knobs (they change no result), how the run is
+# launched, logged and saved, and what a non-finite value does (a run stopped by one may resume with
+# --on_nonfinite skip); every other field must be the checkpoint's (--accept_changed_settings)
 RESUME_MAY_CHANGE = {"world_size", "local_micro_batch_size", "gradient_accumulation_steps", "local_batch_size",
                      "local_mini_batch_size", "local_eval_batch_size", "local_generation_batch_size",
                      "gradient_checkpointing", "deepspeed", "offload", "compile_decode", "free_decode_cache",
-                     "resume", "checkpoint_every", "keep_checkpoints", "accept_changed_settings", "run_name",
+                     "on_nonfinite", "resume", "checkpoint_every", "keep_checkpoints", "accept_changed_settings",
+                     "run_name",
                      "exp_name", "track", "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity",
                      "output_dir", "print_sample_output_freq", "run_eval"}
 
@@ -379,6 +440,52 @@ def changed_settings(saved: dict, current: dict, prefix: str = "") -> list:
     return changes
 
 
+# settings that must be at least 1 wherever a stage has them (0 ended in a library traceback)
+POSITIVE_SETTINGS = ("response_length", "local_rollout_forward_batch_size", "local_generation_batch_size",
+                     "keep_checkpoints")
+
+
+def check_settings(args) -> None:
+    for name in POSITIVE_SETTINGS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    if args.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint_every must be >= 0 (0: only on a stop signal), got {args.checkpoint_every}")
+
+
+def require_splits(dataset, name: str, splits: tuple, why: str) -> None:
+    """Stops at the start, not after training, where `dataset` lacks a split the run will need."""
+    missing = [s for s in splits if s not in dataset]
+    if missing:
+        raise ValueError(f"{name} has no {' or '.join(repr(s) for s in missing)} split, which {why} needs "
+                         f"(it has {', '.join(repr(s) for s in dataset)})")
+
+
+def lock_output_dir(output_dir: str):
+    """An exclusive lock on <output_dir>/.lock for this run (held by the main process), or an error
+    naming the run that holds it: two runs writing checkpoints and a model into one folder would
+    overwrite each other's. The operating system drops the lock when the process ends, however it
+    ends, so a crashed run leaves no stale lock behind. (A POSIX lock: a second run started inside
+    the same Python process, as the tests do, shares it.)"""
+    os.makedirs(output_dir, exist_ok=True)
+    handle = open(os.path.join(output_dir, ".lock"), "a+")
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RuntimeError(f"--output_dir {output_dir} is in use by a running {holder}: two runs writing one folder "
+                           "would overwrite each other's checkpoints and model. Wait for it, stop it, or choose "
+                           "another --output_dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"run (pid {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%d %H:%M:%S')})")
+    handle.flush()
+    return handle
+
+
 def start_run(args, identity: dict, generates: bool = False) -> "Run":
     """The prologue of every stage, after its batch arithmetic (`args.world_size` and the batch
     fields are set): the Accelerator (CPU processes talk over gloo; a single plain process needs no
@@ -391,6 +498,9 @@ def start_run(args, identity: dict, generates: bool = False) -> "Run":
     problem = cuda_problem()
     if problem and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes"):
         raise RuntimeError(problem)  # a GPU run would otherwise run on the CPU, without a word
+    check_settings(args)
+    # before the process group: the refused rank ends the launch without the others waiting on it
+    lock = lock_output_dir(args.output_dir) if args.output_dir and int(os.environ.get("RANK", "0")) == 0 else None
     distributed_cpu = "WORLD_SIZE" in os.environ and not torch.cuda.is_available()
     kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else []
     accelerator = Accelerator(
@@ -439,7 +549,7 @@ def start_run(args, identity: dict, generates: bool = False) -> "Run":
     np.random.seed(local_seed)
     torch.manual_seed(local_seed)
     torch.backends.cudnn.deterministic = True
-    return Run(args, accelerator, identity, resumed, local_seed, clip_norm, changes)
+    return Run(args, accelerator, identity, resumed, local_seed, clip_norm, changes, lock)
 
 
 class Run:
@@ -447,7 +557,7 @@ class Run:
     bracket the training loop."""
 
     def __init__(self, args, accelerator: Accelerator, identity: dict, resumed: Optional[tuple], local_seed: int,
-                 clip_norm: Optional[float], changed_settings: list = ()):
+                 clip_norm: Optional[float], changed_settings: list = (), lock=None):
         self.args, self.accelerator, self.identity, self.resumed = args, accelerator, identity, resumed
         self.local_seed, self.clip_norm, self.changed_settings = local_seed, clip_norm, list(changed_settings)
         self.deepspeed = accelerator.state.deepspeed_plugin is not None
@@ -455,6 +565,11 @@ class Run:
         # what the stage asked the checkpoints to keep (reward/dpo: the pairs trained on so far)
         self.records = resumed[1]["records"] if resumed else None
         self.console = Console()
+        self.lock, self.started = lock, time.time()
+        self.checkpoints, self.logger = None, None  # (checkpoints_and_logger)
+        self.key_metrics: tuple = ()  # what the progress lines and the summary show (progress)
+        self.loss_finite = None  # (optimizer_step: whether this step's micro-batch losses were finite)
+        self.deepspeed_skipped = 0
 
     def print(self, *objects, **kwargs) -> None:
         """Prints on the main process only."""
@@ -494,7 +609,88 @@ class Run:
                 self.print(f"[bold yellow]WARNING: resumed with changed settings (--accept_changed_settings): "
                            f"{'; '.join(self.changed_settings)}")
         logger = Logger(self.args, self.accelerator, resume=self.resumed[1]["logger"] if self.resumed else None)
+        checkpoints.position = (self.start_update, self.args.run_name, logger, self.records,
+                                logger.state() if self.accelerator.is_main_process else None)
+        checkpoints.position_rng = rng_state()
+        self.checkpoints, self.logger = checkpoints, logger
         return checkpoints, logger
+
+    # -- non-finite values (--on_nonfinite) ----------------------------------------------------
+
+    def optimizer_step(self, model, optimizer, update: int, loss: torch.Tensor) -> None:
+        """The end of a micro-batch inside `accelerator.accumulate(model)`, after its backward. At the
+        accumulation boundary: clips at --max_grad_norm (under DeepSpeed the engine clipped and stepped
+        inside backward, skipping a step whose gradient is not finite), then steps, unless this
+        step's loss or gradient norm is not finite: --on_nonfinite stop ends the run there (nothing
+        applied, no model saved), skip leaves the weights as they were and counts it. Between
+        boundaries it only notes, on the device, whether `loss` was finite. One reduce per step: a
+        rank's non-finite loss stops every rank at the same step."""
+        accelerator = self.accelerator
+        finite = torch.isfinite(loss.detach()).all()
+        self.loss_finite = finite if self.loss_finite is None else self.loss_finite & finite
+        if not accelerator.sync_gradients:
+            return
+        if self.deepspeed:
+            skipped = model.skipped_steps - self.deepspeed_skipped
+            self.deepspeed_skipped = model.skipped_steps
+            # (fp16: a skipped step is the loss scaler finding its scale, not a failure)
+            norm_finite = torch.tensor(skipped == 0 or accelerator.mixed_precision == "fp16", device=accelerator.device)
+        else:
+            if self.clip_norm is not None:
+                norm = accelerator.clip_grad_norm_(model.parameters(), self.clip_norm)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            # (fp16 under a grad scaler: inf gradients are how the scaler finds its scale; it skips those)
+            norm_finite = torch.isfinite(norm) | (accelerator.scaler is not None)
+        bad = accelerator.reduce(torch.stack([~self.loss_finite, ~norm_finite]).float(), "sum") > 0
+        self.loss_finite = None
+        if bad.any():
+            optimizer.zero_grad()
+            self.nonfinite(update, "optimizer step", [n for n, b in zip(("loss", "gradient norm"), bad.tolist()) if b])
+            return
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def all_finite(self, update: int, phase: str, **tensors: torch.Tensor) -> bool:
+        """Whether every value of `tensors` is finite on every process (one reduce); if not,
+        --on_nonfinite stop ends the run with their names, and skip returns False for the stage to
+        skip the rest of the update."""
+        bad = self.accelerator.reduce(torch.stack([(~torch.isfinite(t)).any() for t in tensors.values()]).float(),
+                                      "sum") > 0
+        if not bad.any():
+            return True
+        self.nonfinite(update, phase, [n for n, b in zip(tensors, bad.tolist()) if b])
+        return False
+
+    def nonfinite(self, update: int, phase: str, names: list) -> None:
+        what = f"update {update}, {phase}: non-finite {' and '.join(names)}"
+        if self.args.on_nonfinite == "skip":
+            self.logger.nonfinite_skipped += 1
+            self.print(f"[bold yellow]WARNING: {what}; skipped (--on_nonfinite skip; "
+                       f"{self.logger.nonfinite_skipped} so far)", highlight=False, soft_wrap=True)
+            return
+        newest = self.checkpoints.newest() if self.checkpoints else None
+        self.print(f"[bold red]STOPPED: {what}.[/] No model saved; "
+                   + (f"the last checkpoint, {newest}, is kept: --resume continues from it (with a lower --lr or "
+                      "other settings, add --accept_changed_settings). " if newest else "there is no checkpoint. ")
+                   + "--on_nonfinite skip would skip such updates instead", highlight=False, soft_wrap=True)
+        if self.logger:
+            self.logger.close()
+        raise SystemExit(NONFINITE_EXIT_CODE)
+
+    # -- progress and the end of the run ----------------------------------------------------
+
+    def progress(self, iterable, total: int, description: str, key_metrics: tuple = (), stoppable: bool = False):
+        """`iterable` with `progress` lines on the main process showing `key_metrics` (the newest
+        logged values; the summary at the end shows them too). `stoppable` (the evaluations after
+        training): a stop signal between two items saves a checkpoint and exits (Checkpoints)."""
+        if key_metrics:
+            self.key_metrics = key_metrics
+        status = (lambda: metric_status(self.logger.latest, key_metrics)) if key_metrics and self.logger else None
+        for item in progress(iterable, total, description, self.accelerator.is_main_process, status):
+            yield item
+            if stoppable and self.checkpoints is not None:
+                self.checkpoints.stop_if_asked()
 
     def merged_lora_model(self, model, load_base):
         """A LoRA run's trained `model` as the plain model it is saved as, on every process: the
@@ -526,11 +722,81 @@ class Run:
                 push_to_hub(args, module, tokenizer, state_dict)
 
     def finish(self, logger) -> None:
+        """Closes the logs, ends the processes and prints where everything went."""
         if torch.cuda.is_available():
             self.print(f"peak GPU memory of rank 0: {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
         logger.close()
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
+        self.print(run_summary(self.args, self.identity["stage"], time.time() - self.started, self.start_update,
+                               logger, self.key_metrics), highlight=False, soft_wrap=True)
+        if self.lock is not None:
+            self.lock.close()
+
+
+def run_summary(args, stage: str, seconds: float, start_update: int, logger, key_metrics: tuple) -> str:
+    """The block a run ends with: what ran, how long, the last values of its key metrics, and where
+    the model, the metrics and the TensorBoard events went."""
+    resumed = f" (resumed at update {start_update})" if start_update else ""
+    lines = [f"── {stage} done: {args.run_name}, {args.num_updates} updates{resumed} in "
+             f"{datetime.timedelta(seconds=round(seconds))}",
+             f"  model        {args.output_dir or '(not saved: no --output_dir)'}"
+             + (f" (LoRA adapter alone: {os.path.join(args.output_dir, 'adapter')})"
+                if args.use_peft and args.output_dir else ""),
+             f"  metrics      {os.path.join(logger.folder, 'metrics.jsonl')} (and the tables: *.csv there)",
+             f"  TensorBoard  tensorboard --logdir {logger.folder}"]
+    if logger.wandb_url:
+        lines.append(f"  wandb        {logger.wandb_url}")
+    if metric_status(logger.latest, key_metrics):
+        lines.append(f"  last values  {metric_status(logger.latest, key_metrics)}")
+    if logger.nonfinite_skipped:
+        lines.append(f"  skipped      {logger.nonfinite_skipped} non-finite optimizer steps or rollouts "
+                     "(--on_nonfinite skip)")
+    return "\n".join(lines)
+
+
+def metric_status(latest: dict, keys: tuple) -> str:
+    """'loss 0.4057, accuracy 0.6500': the newest values of `keys`, each named by its last part."""
+    return ", ".join(f"{k.rsplit('/', 1)[-1]} {latest[k]:.4g}" for k in keys if latest.get(k) is not None)
+
+
+def progress(iterable, total: int, description: str, enabled: bool = True, status=None, lines_per_run: int = 20,
+             seconds_between_lines: float = 60.0):
+    """`iterable`, shown while it runs (on `enabled` processes). On a terminal a rich bar with
+    `status()` beside it; elsewhere (a redirect, every Slurm job), where a bar would print only when it
+    ends, a plain line every `total / lines_per_run` items and whenever `seconds_between_lines`
+    have passed since the last one: items done / total, `status()` and an ETA, so that a log tells
+    slow from hung."""
+    if not enabled:
+        yield from iterable
+        return
+    if Console().is_terminal:
+        columns = (*RichProgress.get_default_columns(), TextColumn("{task.fields[status]}"))
+        with RichProgress(*columns) as bar:
+            task = bar.add_task(description, total=total, status="")
+            for item in iterable:
+                yield item
+                bar.update(task, advance=1, status=status() if status else "")
+        return
+    every, start = max(1, total // lines_per_run), time.time()
+    done, shown, last_line = 0, 0, start
+    try:
+        for item in iterable:
+            yield item
+            done += 1
+            now = time.time()
+            if done % every == 0 or now - last_line >= seconds_between_lines:
+                print(progress_line(description, done, total, now - start, status() if status else ""), flush=True)
+                shown, last_line = done, now
+    finally:
+        if done != shown:  # the last line, unless it was just printed
+            print(progress_line(description, done, total, time.time() - start, status() if status else ""), flush=True)
+
+
+def progress_line(description: str, done: int, total: int, seconds: float, status: str) -> str:
+    eta = datetime.timedelta(seconds=round(seconds / done * (total - done))) if done else "?"
+    return (f"{description} {done}/{total} ({done / max(total, 1):.0%})" + (f" | {status}" if status else "")
+            + f" | {datetime.timedelta(seconds=round(seconds))} elapsed, ETA {eta}")
 
 
 def gather_global(accelerator: Accelerator, *tensors: torch.Tensor) -> list:
@@ -557,14 +823,21 @@ class Logger:
         self.folder = os.path.join("runs", args.run_name)
         self.last_step = resume["last_step"] if resume else None
         self.wandb_id = resume["wandb_id"] if resume else None
+        self.wandb_url = None
+        # the newest value of every metric logged (progress lines, the summary); the optimizer steps
+        # (and PPO rollouts) skipped under --on_nonfinite skip, logged as nonfinite/skipped
+        self.latest: dict = {}
+        self.skip_nonfinite = getattr(args, "on_nonfinite", "stop") == "skip"
+        self.nonfinite_skipped = resume.get("nonfinite_skipped", 0) if resume else 0
         if not self.main:
             return
         if args.track:
             import wandb
 
-            self.wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                                       config=asdict(args), name=args.run_name, save_code=True, id=self.wandb_id,
-                                       resume="allow" if self.wandb_id else None).id
+            wandb_run = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                                   config=asdict(args), name=args.run_name, save_code=True, id=self.wandb_id,
+                                   resume="allow" if self.wandb_id else None)
+            self.wandb_id, self.wandb_url = wandb_run.id, wandb_run.url
         os.makedirs(self.folder, exist_ok=True)
         self.writer = SummaryWriter(self.folder, purge_step=None if self.last_step is None else self.last_step + 1)
         self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
@@ -578,17 +851,23 @@ class Logger:
         self.jsonl = open(path, "a")
 
     def log(self, metrics: dict, step: int) -> None:
+        if self.skip_nonfinite:
+            metrics = {**metrics, "nonfinite/skipped": self.nonfinite_skipped}
+        self.latest.update(metrics)
         if not self.main:
             return
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        # strict JSON: a non-finite value is null (json.dumps would write NaN, which strict readers refuse)
+        self.jsonl.write(json.dumps({"step": step, **{k: v if math.isfinite(v) else None for k, v in metrics.items()}},
+                                    allow_nan=False) + "\n")
         self.jsonl.flush()
         self.last_step = step
 
     def state(self) -> dict:
         """Where the logs stand (main process): what a checkpoint keeps to continue them."""
-        return {"jsonl_bytes": self.jsonl.tell(), "last_step": self.last_step, "wandb_id": self.wandb_id}
+        return {"jsonl_bytes": self.jsonl.tell(), "last_step": self.last_step, "wandb_id": self.wandb_id,
+                "nonfinite_skipped": self.nonfinite_skipped}
 
     def table(self, name: str, frame: pd.DataFrame) -> None:
         if self.main:
@@ -608,9 +887,11 @@ class Logger:
             wandb.finish()
 
 
-# A stage stopped by SIGTERM or SIGUSR1 exits with this status once its checkpoint is written
+# A stage stopped by SIGTERM, SIGUSR1 or Ctrl-C exits with this status once its checkpoint is written
 # (EX_TEMPFAIL: try again later); the same command with --resume finishes the run.
 CHECKPOINT_EXIT_CODE = 75
+# A stage stopped by a non-finite loss, gradient or rollout value (--on_nonfinite stop)
+NONFINITE_EXIT_CODE = 1
 
 
 def rng_state() -> dict:
@@ -667,8 +948,10 @@ class Checkpoints:
     stand, the stage's `records`, the `identity` a resume must match and the run's settings (the Args
     that decide its results), which a resume must keep unless told otherwise. It is written aside and
     renamed into place, so a run killed while writing keeps the previous one; the newest `keep` stay.
-    SIGTERM and SIGUSR1 (what Slurm sends before a preemption or the time limit) ask for a checkpoint
-    at the end of the current update, after which the run exits with CHECKPOINT_EXIT_CODE."""
+    SIGTERM and SIGUSR1 (what Slurm sends before a preemption or the time limit) and a first Ctrl-C
+    (SIGINT; a second one aborts at once) ask for a checkpoint at the end of the current update, or
+    between two batches of the evaluations after training (`stop_if_asked`), after which the run
+    exits with CHECKPOINT_EXIT_CODE."""
 
     def __init__(self, args, accelerator: Accelerator, model, optimizer, objects: list, identity: dict):
         self.folder = os.path.join(args.output_dir, "checkpoints") if args.output_dir else None
@@ -677,14 +960,28 @@ class Checkpoints:
         self.accelerator, self.model, self.optimizer, self.objects = accelerator, model, optimizer, objects
         self.deepspeed = accelerator.state.deepspeed_plugin is not None
         self.signal = None
+        # (update, run name, logger, records, where the logs stood) of the last update ended, and the
+        # random streams then: where a stop after training (in its evaluations) saves
+        self.position: Optional[tuple] = None
+        self.position_rng: Optional[dict] = None
         if self.folder:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
+            for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
                 signal.signal(sig, self._remember)
         if self.deepspeed:
             accelerator.register_for_checkpointing(*objects)
 
     def _remember(self, signum, frame) -> None:
         self.signal = signal.Signals(signum).name
+        if signum == signal.SIGINT:  # a second Ctrl-C: KeyboardInterrupt, now
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            print("Ctrl-C: stopping with a checkpoint at the end of this update (press it again to abort "
+                  "without one)", flush=True)
+
+    def newest(self) -> Optional[str]:
+        """The newest checkpoint folder, if any."""
+        names = sorted(n for n in os.listdir(self.folder) if n.startswith("update-")) if self.folder and \
+            os.path.isdir(self.folder) else []
+        return os.path.join(self.folder, names[-1]) if names else None
 
     def load(self, path: str, state: dict) -> None:
         """Restores what `save` wrote (after accelerator.prepare; `state` from find_checkpoint)."""
@@ -713,18 +1010,37 @@ class Checkpoints:
         signal (on any rank; all ranks stop at the same update) exits."""
         if self.folder is None:
             return
-        asked = torch.tensor(float(self.signal is not None), device=self.accelerator.device)
-        stop = self.accelerator.reduce(asked, "sum").item() > 0
+        logger_state = logger.state() if self.accelerator.is_main_process else None
+        self.position = (update, run_name, logger, records, logger_state)
+        self.position_rng = rng_state()
+        stop = self.stop_asked()
         if stop or (self.every and update % self.every == 0):
             self.save(update, run_name, logger, records)
         if stop:
-            if self.accelerator.is_main_process:
-                print(f"checkpoint saved at update {update} after a stop signal; exiting with status "
-                      f"{CHECKPOINT_EXIT_CODE} (rerun with --resume)", flush=True)
-            logger.close()
-            raise SystemExit(CHECKPOINT_EXIT_CODE)
+            self.exit_after_stop(update, logger)
 
-    def save(self, update: int, run_name: str, logger, records=None) -> None:
+    def stop_if_asked(self) -> None:
+        """Between two batches of an evaluation after training: after a stop signal, a checkpoint
+        where the training ended (a resumed run then only evaluates and saves), and exit."""
+        if self.folder is not None and self.position is not None and self.stop_asked():
+            set_rng_state(self.position_rng)  # the random streams as the training left them, not the evaluation
+            self.save(*self.position)
+            self.exit_after_stop(self.position[0], self.position[2])
+
+    def stop_asked(self) -> bool:
+        """Whether any rank got a stop signal (all ranks stop at the same point)."""
+        asked = torch.tensor(float(self.signal is not None), device=self.accelerator.device)
+        return self.accelerator.reduce(asked, "sum").item() > 0
+
+    def exit_after_stop(self, update: int, logger) -> None:
+        if self.accelerator.is_main_process:
+            print(f"checkpoint saved at update {update} after a stop signal ({self.signal or 'on another rank'}); "
+                  f"exiting with status {CHECKPOINT_EXIT_CODE} (rerun with --resume)", flush=True)
+        logger.close()
+        raise SystemExit(CHECKPOINT_EXIT_CODE)
+
+    def save(self, update: int, run_name: str, logger, records=None, logger_state: Optional[dict] = None) -> None:
+        """`logger_state`: where the logs stood at `update`, if they have moved on since (evaluations)."""
         main = self.accelerator.is_main_process
         final = os.path.join(self.folder, f"update-{update:07d}")
         partial = os.path.join(self.folder, f".update-{update:07d}.partial")
@@ -748,7 +1064,7 @@ class Checkpoints:
             with open(os.path.join(partial, "trainer_state.json"), "w") as f:
                 json.dump({"identity": self.identity, "settings": self.settings, "update": update, "run_name": run_name,
                            "world_size": self.accelerator.num_processes, "deepspeed": self.deepspeed,
-                           "logger": logger.state(), "records": records}, f)
+                           "logger": logger_state or logger.state(), "records": records}, f)
         self.accelerator.wait_for_everyone()
         if main:
             shutil.rmtree(final, ignore_errors=True)  # (the same update saved again)
@@ -805,3 +1121,119 @@ def push_to_hub(args, model, tokenizer, state_dict) -> None:
     tokenizer.push_to_hub(repo_id, revision=args.run_name)
     model.push_to_hub(repo_id, revision=args.run_name, state_dict=state_dict)
     print(f"pushed https://huggingface.co/{repo_id}/tree/{args.run_name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line: flags that people bring from TRL, CleanRL and the paper's scripts
+# ---------------------------------------------------------------------------------------------
+
+TRL, CLEANRL, PAPER = "TRL's", "CleanRL's", "the paper's"
+# Settings that another codebase names differently: foreign flag -> (whose name, [(our flag, what differs)]).
+# The first of our flags that the stage has is suggested; a stage with none of them leaves the flag to tyro.
+# Sources: TRL 1.12 (transformers' TrainingArguments under every config; SFTConfig, DPOConfig, RLOOConfig /
+# GRPOConfig, the experimental PPOConfig; ModelConfig and ScriptArguments of its example scripts), TRL's
+# PPOConfig before 0.12, CleanRL's ppo.py, and the paper's scripts (vwxyzjn/summarize_from_feedback_details).
+# A nested name (`--ppo.num_mini_batches`, `--reward.kl_coef`) is also looked up by its last part, and a flag
+# of ours given at another depth (`--kl_coef` for `--ppo.kl_coef`) is found by its name.
+FOREIGN_FLAGS = {
+    "learning_rate": (TRL + " and " + CLEANRL, [("lr", "")]),
+    "per_device_train_batch_size": (TRL, [("local_micro_batch_size", "")]),
+    "per_device_eval_batch_size": (TRL, [("local_eval_batch_size", "")]),
+    "adam_epsilon": (TRL, [("eps", "")]),
+    "lr_scheduler_type": (TRL, [("scheduler", "")]),
+    "warmup_steps": (TRL, [("warm_up_steps", "")]),
+    "optim": (TRL, [("optimizer", "adamw or adam")]),
+    "report_to": (TRL, [("track", "a switch for wandb; TensorBoard and metrics.jsonl are always written")]),
+    "max_steps": (TRL, [("total_episodes", "in episodes: updates x batch_size")]),
+    "num_train_epochs": (TRL, [("total_episodes", "in episodes: epochs x the queries of the train split")]),
+    "save_steps": (TRL, [("checkpoint_every", "")]),
+    "save_total_limit": (TRL, [("keep_checkpoints", "")]),
+    "resume_from_checkpoint": (TRL, [("resume", "a switch: the newest checkpoint in <output_dir>/checkpoints")]),
+    "do_eval": (TRL, [("run_eval", "")]),
+    "hub_model_id": (TRL, [("hf_entity", "the repo is <hf_entity>/<base_model>__<exp_name>__tldr")]),
+    "model_name_or_path": (TRL, [("sft_model_path", "the model trained from; the tokenizer is --base_model"),
+                                 ("base_model", "")]),
+    "dataset_name": (TRL, [("label_dataset", "the preference pairs"), ("query_dataset", "")]),
+    "completion_only_loss": (TRL, [("response_only_loss", "")]),
+    "assistant_only_loss": (TRL, [("response_only_loss", "")]),
+    "loss_type": (TRL, [("ipo", "a switch for the IPO loss; DPO's sigmoid loss is the default")]),
+    "beta": (TRL + " GRPO/RLOO", [("ppo.kl_coef", "")]),
+    "epsilon": (TRL + " GRPO/RLOO", [("ppo.cliprange", "")]),
+    "num_iterations": (TRL + " GRPO/RLOO", [("ppo.noptepochs", "")]),
+    "max_completion_length": (TRL, [("response_length", "the tokens generated per query")]),
+    "num_mini_batches": (TRL, [("nminibatches", "")]),
+    "num_ppo_epochs": (TRL, [("ppo.noptepochs", "")]),
+    "num_total_batches": (TRL, [("total_episodes", "num_updates = total_episodes // batch_size")]),
+    "micro_batch_size": (TRL + " and " + PAPER, [("local_micro_batch_size", "per process, not over all of them")]),
+    "missing_eos_penalty": (TRL, [("penalty_reward_value", "the score a response without EOS gets, not an amount "
+                                                           "taken off")]),
+    "stop_token": (TRL, [("truncate_token", "")]),
+    "stop_token_id": (TRL, [("truncate_token", "the tokenizer's EOS, the only choice")]),
+    "num_sample_generations": (TRL, [("print_sample_output_freq", "every this many updates, not a count")]),
+    "init_kl_coef": (TRL, [("ppo.kl_coef", "")]),
+    "adap_kl_ctrl": (TRL, [("ppo.use_adaptive_kl", "")]),
+    "ppo_epochs": (TRL, [("ppo.noptepochs", "")]),
+    "forward_batch_size": (TRL, [("local_rollout_forward_batch_size", "")]),
+    "total_timesteps": (CLEANRL, [("total_episodes", "")]),
+    "num_minibatches": (CLEANRL, [("nminibatches", "")]),
+    "update_epochs": (CLEANRL, [("ppo.noptepochs", "")]),
+    "clip_coef": (CLEANRL, [("ppo.cliprange", "the value loss clips at --ppo.cliprange_value")]),
+    "gae_lambda": (CLEANRL, [("ppo.lam", "")]),
+    "ppo.nminibatches": (PAPER, [("nminibatches", "the one the paper's ppo.py read; --ppo.nminibatches did nothing")]),
+    "truncate_token_id": (PAPER, [("truncate_token", "the tokenizer's EOS, the only choice")]),
+    "hf_repo_id": (PAPER, [("hf_entity", "the repo is <hf_entity>/<base_model>__<exp_name>__tldr")]),
+    "hf_repo_revision": (PAPER, [("run_name", "the revision pushed to")]),
+}
+# never suggested for a foreign flag: fields derived at run time (a value given to them is ignored; PPO's
+# batch_size is one of them)
+RUN_TIME_FIELDS = ("world_size", "local_batch_size", "local_mini_batch_size", "mini_batch_size", "batch_size",
+                   "num_updates")
+
+
+def flag_names(args_class, prefix: str = "") -> set:
+    """The flags of a tyro Args dataclass as field paths with underscores (`lr`, `ppo.kl_coef`)."""
+    names = set()
+    hints = typing.get_type_hints(args_class)
+    for f in dataclasses.fields(args_class):
+        if dataclasses.is_dataclass(hints[f.name]):
+            names |= flag_names(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            names.add(prefix + f.name)
+    return names
+
+
+def foreign_flag_hint(flag: str, ours: set, foreign: dict) -> Optional[str]:
+    """Why `flag` (as typed, `--x.y=1` or `--x-y` too) is not a flag of ours, where the stage (`ours`, from
+    flag_names) has the setting under another name; None for our own flags (`--no-<switch>` included) and
+    for flags we know nothing about, which tyro answers."""
+    typed = flag.split("=", 1)[0]
+    name = typed[2:].replace("-", "_")
+    prefix, _, leaf = name.rpartition(".")
+    switch = prefix + "." + leaf[3:] if prefix else leaf[3:]  # (tyro's `--no-<switch>` and `--ppo.no-<switch>`)
+    if name in ours or (leaf.startswith("no_") and switch in ours):
+        return None
+    for key in (name, leaf):
+        source, targets = foreign.get(key, ("", []))
+        for target, note in targets:
+            if target in ours:
+                return f"{typed} is {source} name; here it is --{target}" + (f" ({note})" if note else "")
+    # one of our flags at another depth (`--kl_coef`, `--ppo.lr`, the paper's `--reward.adaptive_kl.target`)
+    same = sorted(n for n in ours if n.rpartition(".")[2] == leaf and leaf not in RUN_TIME_FIELDS)
+    return f"{typed} is --{' or --'.join(same)} here" if same else None
+
+
+def parse_args(args_class, foreign: Optional[dict] = None, args: Optional[list] = None):
+    """`tyro.cli(args_class)`, after a look for flags that TRL, CleanRL or the paper's scripts name differently
+    (FOREIGN_FLAGS, with the stage's own `foreign` entries on top): those stop with our name for them (exit 2,
+    like any usage error), where tyro would only say "unrecognized". Everything else is tyro's, its
+    misspelling suggestions included. `args`: the command line without the program (default sys.argv[1:])."""
+    argv = sys.argv[1:] if args is None else list(args)
+    argv = argv[:argv.index("--")] if "--" in argv else argv  # (after "--" every token is a value)
+    ours, table = flag_names(args_class), {**FOREIGN_FLAGS, **(foreign or {})}
+    hints = [foreign_flag_hint(token, ours, table) for token in argv if token.startswith("--")]
+    hints = [hint for hint in hints if hint]
+    if hints:
+        prog = os.path.basename(sys.argv[0])
+        print("\n".join(f"{prog}: {hint}" for hint in hints + ["see --help for every flag"]), file=sys.stderr)
+        raise SystemExit(2)
+    return tyro.cli(args_class, args=args)

@@ -25,21 +25,23 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from rich.progress import track
 from rouge_score import rouge_scorer
 from torch.utils.data import DataLoader
-from transformers import GenerationConfig, get_scheduler
 
+# (run_infra before transformers' optimization module: it quiets the libraries' import noise)
 from summarize_from_feedback_details.run_infra import (PhaseTimer, enable_gradient_checkpointing, load_policy,
-                                                       load_split_dataset, load_tokenizer, quantization, start_run,
-                                                       trainable_parameters, with_lora)
+                                                       load_split_dataset, load_tokenizer, quantization,
+                                                       require_splits, start_run, trainable_parameters, with_lora)
+from transformers import GenerationConfig, get_scheduler  # noqa: E402
 
 
 @dataclass
 class Args:
     # common
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the experiment: the start of the run name and, with --push_to_hub, part of the repo name"""
     seed: int = 1
+    """global seed: the data order, and each process's python/numpy/torch seed (seed + rank * 100003)"""
     run_name: Optional[str] = None
     """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
     deepspeed: bool = False
@@ -51,24 +53,33 @@ class Args:
 
     # optimizer
     lr: float = 3e-6
+    """peak learning rate (the paper's 3e-6), decayed by --scheduler over the updates"""
     eps: float = 1e-5
+    """epsilon of Adam(W)'s denominator (the paper's 1e-5; torch's default is 1e-8)"""
     weight_decay: float = 0.01
     """AdamW weight decay (the paper's runs got 0.01 silently from torch's default)"""
     max_grad_norm: Optional[float] = None
     """clip the global gradient norm at this value, the same way with and without DeepSpeed; unset or
     <= 0: no clipping, which is what the paper's runs did (DESIGN section 4)"""
     optimizer: Literal["adamw", "adam"] = "adamw"
+    """`adamw`: decoupled weight decay; `adam`: torch's Adam, which adds --weight_decay to the gradient (L2)"""
     scheduler: str = "cosine"
+    """learning-rate schedule over the updates, by transformers' get_scheduler name (cosine, linear, constant, ...)"""
     warm_up_steps: int = 0
+    """updates of warm-up at the start of the schedule (0: none, as in the paper)"""
 
     # batch sizes; local_batch_size = local_micro_batch_size * gradient_accumulation_steps,
     # batch_size = local_batch_size * world_size
     num_train_epochs: int = 1
+    """passes over the train split, when --total_episodes is not given"""
     gradient_accumulation_steps: int = 16
+    """micro-batches per update on each process (derived from --batch_size when that is given)"""
     local_micro_batch_size: int = 1
+    """sequences per forward/backward on each process: a memory knob, the update does not change"""
     batch_size: Optional[int] = None
     """global batch: if given, gradient_accumulation_steps is derived from it (must divide exactly)"""
     local_eval_batch_size: int = 4
+    """queries per process in each batch of the eval (loss, generation, ROUGE) and of the sample generation"""
     total_episodes: Optional[int] = None
     """defaults to len(train split) * num_train_epochs; more than one pass reshuffles per pass"""
     gradient_checkpointing: bool = False
@@ -79,7 +90,9 @@ class Args:
     """train LoRA adapters (peft) instead of every weight. <output_dir> gets the adapter merged in
     (plain transformers loads it; every later stage reads it) and <output_dir>/adapter the adapter alone"""
     lora_r: int = 16
+    """rank of the LoRA adapters"""
     lora_alpha: float = 32.0
+    """LoRA scaling: an adapter's update is multiplied by lora_alpha / lora_r"""
     lora_dropout: float = 0.0
     """dropout on the adapters' input. The stages run without dropout (N+ detail); > 0 makes the
     training forwards differ from the rollouts', so PPO's first ratio is no longer 1"""
@@ -97,10 +110,13 @@ class Args:
 
     # model and data
     base_model: str = "EleutherAI/pythia-1b-deduped"
+    """the model to fine-tune and its tokenizer (hub name or local folder); names the hub repo of --push_to_hub"""
     query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
     """hub name or a local `save_to_disk` folder from tldr_dataset.py"""
     response_length: int = 53
+    """tokens generated per query in the eval and the sample generation (53 for TL;DR)"""
     temperature: float = 0.01
+    """sampling temperature of the eval and the sample generation (the paper's 0.01, nearly greedy)"""
 
     # checkpoints (DESIGN section 15): in `<output_dir>/checkpoints`
     checkpoint_every: int = 0
@@ -112,19 +128,32 @@ class Args:
     accept_changed_settings: bool = False
     """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
     from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """what a non-finite loss or gradient norm does: `stop` ends the run (exit 1) naming the update, phase and
+    tensor, saves no model and keeps the last checkpoint; `skip` skips that optimizer step and counts it
+    (`nonfinite/skipped`)"""
 
     # tracking and output
     track: bool = False
+    """also log to Weights & Biases (TensorBoard events and metrics.jsonl in runs/<run_name> are always written)"""
     wandb_project_name: str = "tldr_summarize"
+    """the wandb project of --track"""
     wandb_entity: Optional[str] = None
+    """the wandb team or user of --track (None: your default entity)"""
     push_to_hub: bool = False
+    """upload the saved model to <hf_entity>/<base_model>__<exp_name>__tldr, revision <run_name> (else no hub call)"""
     hf_entity: Optional[str] = None
+    """the hub user or organisation of --push_to_hub (None: the logged-in user)"""
     output_dir: str = "models/sft_model"
+    """where the trained model and tokenizer are saved, with checkpoints/ inside ("" saves nothing)"""
 
     # filled in at run time
     world_size: Optional[int] = None
+    """derived: the number of processes (a value given here is ignored)"""
     local_batch_size: Optional[int] = None
+    """derived: local_micro_batch_size x gradient_accumulation_steps (a value given here is ignored)"""
     num_updates: Optional[int] = None
+    """derived: total_episodes // batch_size (a value given here is ignored)"""
 
 
 TRAIN_COLUMNS = ("query_reference_response_token", "query_reference_response_token_response_label")
@@ -292,10 +321,12 @@ def main(args: Args) -> None:
     # `batch_size` may set the accumulation steps: derive them before the Accelerator exists
     dataset = load_split_dataset(args.query_dataset, TRAIN_COLUMNS + EVAL_COLUMNS)
     derive_batch_sizes(args, int(os.environ.get("WORLD_SIZE", "1")), len(dataset["train"]))
+    if args.run_eval or args.print_sample_output_freq:
+        require_splits(dataset, args.query_dataset, ("validation",), "--run_eval (or --print_sample_output_freq)")
     # a checkpoint continues on any process count, for the same stage, seed and batch arithmetic
     run = start_run(args, {"stage": "sft", "seed": args.seed, "batch_size": args.batch_size,
                            "total_episodes": args.total_episodes, "num_updates": args.num_updates})
-    accelerator, start_update, clip_norm = run.accelerator, run.start_update, run.clip_norm
+    accelerator, start_update = run.accelerator, run.start_update
     run.print_batch_arithmetic("sequences", f"loss over {'response' if args.response_only_loss else 'all non-pad'} "
                                             f"tokens, {args.loss_normalization}-normalised")
 
@@ -336,8 +367,7 @@ def main(args: Args) -> None:
     model.train()
     update = start_update
     start = time.time()
-    for batch in track(train_loader, total=args.num_updates - start_update, description="sft",
-                       disable=not accelerator.is_main_process):
+    for batch in run.progress(train_loader, args.num_updates - start_update, "sft", ("train/sft/loss",)):
         if update == args.num_updates:
             break
         update += 1
@@ -359,10 +389,7 @@ def main(args: Args) -> None:
                 # accelerate divides by the accumulation steps and DDP averages over ranks: undo
                 # both so the gradient is exactly that of the global-batch objective
                 accelerator.backward(loss * args.gradient_accumulation_steps * accelerator.num_processes)
-                if accelerator.sync_gradients and clip_norm is not None:  # (DeepSpeed clips inside its step)
-                    accelerator.clip_grad_norm_(model.parameters(), clip_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+                run.optimizer_step(model, optimizer, update, loss)  # (clipping; --on_nonfinite)
             loss_total += loss.detach()
         scheduler.step()
         loss_total = accelerator.reduce(loss_total, "sum").item()
@@ -387,7 +414,8 @@ def main(args: Args) -> None:
     if args.run_eval:
         model.eval()
         for split, loader in eval_loaders.items():
-            eval_metrics, table = evaluate(args, accelerator, model, tokenizer, loader, gen_config)
+            eval_metrics, table = evaluate(args, accelerator, model, tokenizer, run.progress(
+                loader, len(loader), f"eval {split}", stoppable=True), gen_config)
             logger.log({f"{split}/sft/{'rouge/' if k.startswith('rouge') else ''}{k}": v
                         for k, v in eval_metrics.items()}, update)
             logger.table(f"{split}_table", table)
@@ -397,4 +425,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    from summarize_from_feedback_details.run_infra import parse_args  # tyro.cli, knowing other codebases' flags
+    main(parse_args(Args))

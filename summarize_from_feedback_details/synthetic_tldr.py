@@ -35,11 +35,17 @@ class Args:
     output_dir: str = "data/raw"
     """folder that receives `tldr_sft/` and `comparisons/` (replaced as a whole)"""
     seed: int = 1
+    """seed of the generator: the same seed writes the same files"""
     num_sft_train: int = 6000
+    """posts with a reference summary in tldr_sft/train.jsonl"""
     num_sft_validation: int = 500
+    """posts with a reference summary in tldr_sft/validation.jsonl"""
     num_sft_test: int = 500
+    """posts with a reference summary in tldr_sft/test.jsonl"""
     num_comparison_train: int = 6000
+    """comparison pairs in comparisons/train.jsonl"""
     num_comparison_validation: int = 1200
+    """TL;DR comparison pairs in comparisons/validation.jsonl (the news pairs come on top)"""
     num_comparison_validation_cnndm: int = 300
     """out-of-distribution "news" comparisons in the validation split (batch names of CNN/DM)"""
     label_temperature: float = 0.8

@@ -21,10 +21,10 @@ from typing import Optional
 import numpy as np
 import torch
 import tyro
-from rich.progress import Progress
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
 
+from summarize_from_feedback_details.run_infra import progress
 from summarize_from_feedback_details.synthetic_tldr import atomic_output_dir
 
 EOS_TOKEN = "<|endoftext|>"
@@ -48,7 +48,9 @@ class Args:
     sizes: list = field(default_factory=lambda: list(SIZES))
     """which of the sizes in SIZES to build"""
     vocab_size: int = 1024
+    """size of the BPE vocabulary trained on the corpus, its special tokens ([PAD], EOS) included"""
     seed: int = 1
+    """seed of every model's initialisation and of the pretraining batches"""
     pretrain_tokens_per_parameter: float = 1.5
     """the pretraining budget of each size: this many tokens per parameter (Chinchilla-style budgets
     grow with size; 20 would be compute-optimal, far beyond a CPU minute). With one budget for all,
@@ -60,8 +62,11 @@ class Args:
     """posts the pretraining never sees, for each model's held-out loss in models.json; None:
     `validation.jsonl` next to --corpus (skipped when there is none)"""
     pretrain_batch_size: int = 16
+    """token windows per pretraining step"""
     pretrain_seq_len: int = 128
+    """tokens per window, in the pretraining and in the held-out loss"""
     pretrain_lr: float = 3e-3
+    """AdamW learning rate of the pretraining, cosine-decayed to 0 over its steps"""
 
 
 def corpus_texts(path: str) -> list:
@@ -118,15 +123,14 @@ def pretrain_steps(parameters: int, args: Args) -> int:
     return math.ceil(args.pretrain_tokens_per_parameter * parameters / (args.pretrain_batch_size * args.pretrain_seq_len))
 
 
-def pretrain(model: GPTNeoXForCausalLM, token_stream: np.ndarray, steps: int, args: Args, progress: Progress,
-             name: str):
+def pretrain(model: GPTNeoXForCausalLM, token_stream: np.ndarray, steps: int, args: Args, name: str):
     """Plain causal-LM training on random windows of the concatenated, EOS-separated posts."""
     generator = torch.Generator().manual_seed(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, eps=1e-5, weight_decay=0.01)
     stream = torch.from_numpy(token_stream)
-    task = progress.add_task(f"pretrain {name}", total=steps)
+    last = {}  # the newest batch loss, for the progress display
     model.train()
-    for step in range(steps):
+    for step in progress(range(steps), steps, f"pretrain {name}", status=lambda: f"loss {last['loss']:.3f}"):
         lr = args.pretrain_lr * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -136,7 +140,7 @@ def pretrain(model: GPTNeoXForCausalLM, token_stream: np.ndarray, steps: int, ar
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        progress.update(task, advance=1, description=f"pretrain {name} loss {loss.item():.3f}")
+        last["loss"] = loss.item()
     model.eval()
     return loss.item()
 
@@ -182,7 +186,7 @@ def build(args: Args) -> dict:
     heldout = heldout_windows(heldout_path, tokenizer, args.pretrain_seq_len) if os.path.isfile(heldout_path) else None
 
     summary = {}
-    with atomic_output_dir(args.output_dir) as tmp_dir, Progress() as progress:
+    with atomic_output_dir(args.output_dir) as tmp_dir:
         for size in args.sizes:
             name = f"pythia-tiny-{size}"
             torch.manual_seed(args.seed)
@@ -190,7 +194,7 @@ def build(args: Args) -> dict:
             parameters = sum(p.numel() for p in model.parameters())
             steps = pretrain_steps(parameters, args)
             start = time.time()
-            loss = pretrain(model, token_stream, steps, args, progress, name) if steps > 0 else None
+            loss = pretrain(model, token_stream, steps, args, name) if steps > 0 else None
             folder = os.path.join(tmp_dir, name)
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)

@@ -17,8 +17,10 @@ an explicit list `train=a.jsonl,validation=b.jsonl,...`. Output: `<output_dir>/s
 a source is a hub name or `--push_to_hub` is given.
 """
 
+import itertools
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -36,10 +38,9 @@ import pyarrow.parquet as pq  # noqa: E402
 import tyro  # noqa: E402
 from datasets import Dataset, DatasetDict, Features, List, Value, disable_progress_bars  # noqa: E402
 from rich.console import Console  # noqa: E402
-from rich.progress import track  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from summarize_from_feedback_details.run_infra import load_tokenizer  # noqa: E402
+from summarize_from_feedback_details.run_infra import load_tokenizer, progress  # noqa: E402
 
 CNNDM_BATCHES = ("batch0_cnndm", "cnndm0", "cnndm2")
 SFT_SPLITS = ("train", "validation", "test")
@@ -49,18 +50,44 @@ PARQUET_EXPORT_REVISION = "refs/convert/parquet"
 
 
 @dataclass
-class TaskParams:
-    length: int
-    """query length in tokens: longer queries are smart-truncated, shorter ones left-padded"""
-    format_str: str
-    truncate_field: str
-    """the field cut by smart truncation"""
-    max_rm_response_length: int
-    max_rm_query_response_length: int
-    max_sft_response_length: Optional[int] = None
-    max_sft_query_response_length: Optional[int] = None
+class TldrParams:
+    length: int = 512
+    """TL;DR query length in tokens: longer queries are smart-truncated, shorter ones left-padded"""
+    format_str: str = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+    """TL;DR query template, filled from the row's columns (`info`'s for preference rows); no trailing
+    space, as in the paper"""
+    truncate_field: str = "post"
+    """the column of TL;DR rows that smart truncation cuts"""
     truncate_text: str = "\n"
-    """smart truncation cuts the field at the last occurrence of this text"""
+    """smart truncation cuts `truncate_field` of TL;DR rows at its last occurrence of this text"""
+    max_sft_response_length: int = 53
+    """SFT reference tokens (EOS included), right-padded to this; a longer reference is an error"""
+    max_sft_query_response_length: int = 562
+    """SFT query + reference tokens, re-encoded and right-padded to this; a longer pair is an error"""
+    max_rm_response_length: int = 169
+    """TL;DR preference summary tokens (EOS included), right-padded to this; a longer one is an error"""
+    max_rm_query_response_length: int = 638
+    """TL;DR preference query + summary tokens, re-encoded and right-padded to this; longer is an error"""
+
+
+@dataclass
+class CnndmParams:
+    length: int = 2047 - 128
+    """CNN/DM query length in tokens: longer queries are smart-truncated, shorter ones left-padded"""
+    format_str: str = "Article:\n{article}\n\nTL;DR:\n"
+    """CNN/DM query template, filled from the row's `info` columns"""
+    truncate_field: str = "article"
+    """the column of CNN/DM rows that smart truncation cuts"""
+    truncate_text: str = "\n"
+    """smart truncation cuts `truncate_field` of CNN/DM rows at its last occurrence of this text"""
+    max_rm_response_length: int = 155
+    """CNN/DM preference summary tokens (EOS included), right-padded to this; a longer one is an error"""
+    max_rm_query_response_length: int = 2021
+    """CNN/DM preference query + summary tokens, re-encoded and right-padded to this; longer is an error"""
+
+
+# what the query functions read: either task's settings (CNN/DM rows have no SFT lengths)
+TaskParams = TldrParams | CnndmParams
 
 
 @dataclass
@@ -73,30 +100,21 @@ class Args:
     """hub name (read from its parquet export, folder `preference_config`), local folder with
     train/validation files or with a copy of that export, or `split=file,...`"""
     preference_config: str = "comparisons"
+    """the preference data's folder in the hub's parquet export (and in a local copy of it)"""
     output_dir: str = "data/tldr"
+    """where `sft/`, `preference/`, `dataset_visuals/` and `stats.json` are written"""
     overwrite: bool = False
     """replace an existing `output_dir` (the new one is built aside first)"""
     num_proc: int = 1
     """worker processes for tokenization (the output does not depend on it)"""
     push_to_hub: bool = False
+    """also upload both datasets, the plots and this script to the hub (needs a login)"""
     hf_entity: Optional[str] = None
     """hub user or org to push to (only asked of the hub with --push_to_hub when unset)"""
-    tldr_params: TaskParams = field(default_factory=lambda: TaskParams(
-        length=512,
-        format_str="SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:",
-        truncate_field="post",
-        max_sft_response_length=53,
-        max_sft_query_response_length=562,
-        max_rm_response_length=169,
-        max_rm_query_response_length=638,
-    ))
-    cnndm_params: TaskParams = field(default_factory=lambda: TaskParams(
-        length=2047 - 128,
-        format_str="Article:\n{article}\n\nTL;DR:\n",
-        truncate_field="article",
-        max_rm_response_length=155,
-        max_rm_query_response_length=2021,
-    ))
+    tldr_params: TldrParams = field(default_factory=TldrParams)
+    """how TL;DR rows are tokenized (SFT rows and preference rows)"""
+    cnndm_params: CnndmParams = field(default_factory=CnndmParams)
+    """how the CNN/DM rows of the preference validation data are tokenized"""
 
 
 class DataError(ValueError):
@@ -133,17 +151,23 @@ def read_rows(path: str) -> RawSplit:
     if not os.path.isfile(path):
         raise DataError(f"{path}: file does not exist")
     if path.endswith(".parquet"):
-        return RawSplit(path, pq.read_table(path).to_pylist())
-    with open(path) as f:
-        text = f.read()
-    if path.endswith(".json") and text.lstrip().startswith("["):
+        return read_parquet_rows(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: {where_undecodable(path, data, e.start)}: byte 0x{data[e.start]:02x} is not "
+                        f"UTF-8 ({e.reason})") from None
+    if is_json_array(path, text):
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: invalid JSON: {e}") from None
         return RawSplit(path, rows)
     rows, lines = [], []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # JSON lines end at "\n" only: str.splitlines would also end one at a U+2028 or U+0085 inside a string
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -152,6 +176,70 @@ def read_rows(path: str) -> RawSplit:
             raise DataError(f"{path}: row {len(rows)} (line {number}): invalid JSON: {e}") from None
         lines.append(number)
     return RawSplit(path, rows, lines)
+
+
+def is_json_array(path: str, text: str) -> bool:
+    """A .json file holding one array of rows (any other .json or .jsonl file holds a row per line)."""
+    return path.endswith(".json") and text.lstrip().startswith("[")
+
+
+def where_undecodable(path: str, data: bytes, offset: int) -> str:
+    """Where the byte at `offset` of the file is, the first that is not UTF-8 (so all before it decodes):
+    `row k (line n, column c, byte offset b)`, rows and lines counted as read_rows counts them."""
+    head = data[:offset].decode("utf-8")
+    lines = head.split("\n")
+    place = f"line {len(lines)}, column {len(lines[-1]) + 1}, byte offset {offset}"
+    if is_json_array(path, head):
+        row = json_array_element_at(data.decode("utf-8", errors="replace"), len(head))
+    else:
+        row = sum(1 for line in lines[:-1] if line.strip())
+    return place if row is None else f"row {row} ({place})"
+
+
+JSON_SEPARATORS = re.compile(r"[ \t\n\r,]*")
+
+
+def json_array_element_at(text: str, offset: int) -> Optional[int]:
+    """Index of the element of the JSON array `text` that holds character `offset`, or None when the
+    array does not parse as far as that."""
+    decoder = json.JSONDecoder()
+    position = JSON_SEPARATORS.match(text, text.index("[") + 1).end()
+    for index in itertools.count():
+        try:
+            end = decoder.raw_decode(text, position)[1]
+        except json.JSONDecodeError:
+            return None
+        if offset < end:
+            return index
+        position = JSON_SEPARATORS.match(text, end).end()
+
+
+def read_parquet_rows(path: str) -> RawSplit:
+    table = pq.read_table(path)
+    try:
+        return RawSplit(path, table.to_pylist())
+    except UnicodeDecodeError:
+        raise undecodable_cell_error(table, path) from None
+
+
+def dataset_rows(dataset, where: str) -> RawSplit:
+    """The rows of a `datasets` split (from the hub or a local parquet export)."""
+    try:
+        return RawSplit(where, list(dataset))
+    except UnicodeDecodeError:
+        raise undecodable_cell_error(dataset.data.table, where) from None
+
+
+def undecodable_cell_error(table, where: str) -> DataError:
+    """The error for a pyarrow table holding text that is not UTF-8 (pyarrow checks it only when it
+    makes Python strings, and its message names neither row nor column): the first such cell."""
+    for index in range(table.num_rows):
+        for name in table.column_names:
+            try:
+                table.column(name)[index].as_py()
+            except UnicodeDecodeError as e:
+                return DataError(f"{where}: row {index}: column '{name}': byte 0x{e.object[e.start]:02x} at byte "
+                                 f"{e.start} of its text is not UTF-8 ({e.reason})")
 
 
 def is_local(source: str) -> bool:
@@ -165,7 +253,7 @@ def load_parquet_export(path: str, config: str, splits: tuple, revision: Optiona
 
     dataset = load_dataset(path, data_files={split: f"{config}/{split}/*.parquet" for split in splits},
                            revision=revision)
-    return {split: RawSplit(f"{where}[{split}]", list(dataset[split])) for split in splits}
+    return {split: dataset_rows(dataset[split], f"{where}[{split}]") for split in splits}
 
 
 def load_raw(source: str, splits: tuple, hub_config: Optional[str] = None) -> dict:
@@ -180,10 +268,7 @@ def load_raw(source: str, splits: tuple, hub_config: Optional[str] = None) -> di
                                        f"hub:{source}@{PARQUET_EXPORT_REVISION}/{hub_config}")
         from datasets import load_dataset
 
-        return {
-            split: RawSplit(f"hub:{source}[{split}]", list(load_dataset(source, split=split)))
-            for split in splits
-        }
+        return {split: dataset_rows(load_dataset(source, split=split), f"hub:{source}[{split}]") for split in splits}
     if "=" in source:
         files = dict(item.split("=", 1) for item in source.split(","))
     elif hub_config and os.path.isdir(os.path.join(source, hub_config)):
@@ -272,25 +357,63 @@ def validate_preference_row(row) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+# Cutting the field usually shortens the query, but not always: a word cut in its middle can take more
+# tokens than the whole word. Smart truncation assumes that a query after fewer cuts is never more than
+# this many tokens shorter than one after more cuts. Measured: at most 4, on posts, code, URLs, emoji,
+# CJK and runs of one character, with the tiny tokenizer and with a 50k-token byte-level BPE trained on
+# code and posts. The wide margin costs little: the walk re-encodes the cuts within it, queries of about
+# `length` tokens.
+TRUNCATION_SLACK = 64
+
+
+def truncation_ends(text: str, truncate_text: str) -> list:
+    """Where smart truncation ends the field after 0, 1, 2, ... cuts (it keeps `text[:end]`): at the
+    last `truncate_text` while there is one, then one character shorter each time, down to 0."""
+    if not truncate_text:
+        raise ValueError("truncate_text is empty: smart truncation would never shorten the field")
+    ends = [len(text)]
+    index = text.rfind(truncate_text)
+    while index != -1:
+        ends.append(index)
+        index = text.rfind(truncate_text, 0, index)
+    return ends + list(range(ends[-1] - 1, -1, -1))
+
+
 def smart_truncate(fields: dict, params: TaskParams, tokenizer) -> tuple:
     """OpenAI's smart truncation: while the formatted query exceeds `params.length` tokens, cut the
     truncate field at its last `truncate_text` (dropping it and all after), or drop its last
     character when none is left. As in the paper, only a field that is already empty while the query
     is still too long is an error: a field cut down to whitespace (or nothing) whose query then fits
-    is kept. Returns (query tokens, number of cuts)."""
-    fields = dict(fields)
-    key = params.truncate_field
-    cuts = 0
-    tokens = tokenizer.encode(params.format_str.format(**fields))
-    while len(tokens) > params.length:
-        text = fields[key]
-        if not text:
+    is kept. Returns (query tokens, number of cuts).
+
+    Re-encoding the query after every cut, as the paper does, is quadratic in the length of the field
+    (754 s for a 65k-character post without newlines). So a bisection first finds a cut whose query is
+    longer than `length + TRUNCATION_SLACK` while the next one's is not: by the slack's assumption no
+    earlier cut fits either, and the paper's cut-by-cut walk starts there. It stops at the first cut
+    that fits, as the paper's does: the tokens and the number of cuts are the same."""
+    key, length = params.truncate_field, params.length
+    text = fields[key]
+    ends = truncation_ends(text, params.truncate_text)
+
+    def encode(cuts: int) -> list:
+        return tokenizer.encode(params.format_str.format(**{**fields, key: text[:ends[cuts]]}))
+
+    cuts, tokens = 0, encode(0)
+    if len(tokens) > length + TRUNCATION_SLACK:
+        upper = len(ends) - 1  # (no cut beyond the empty field)
+        while upper - cuts > 1:
+            middle = (cuts + upper) // 2
+            middle_tokens = encode(middle)
+            if len(middle_tokens) > length + TRUNCATION_SLACK:
+                cuts, tokens = middle, middle_tokens
+            else:
+                upper = middle
+    while len(tokens) > length:
+        if cuts == len(ends) - 1:
             raise FieldError(key, f"became empty during smart truncation, and the query is still "
                                   f"{len(tokens)} tokens > length {params.length}")
-        index = text.rfind(params.truncate_text)
-        fields[key] = text[:index] if index != -1 else text[:-1]
         cuts += 1
-        tokens = tokenizer.encode(params.format_str.format(**fields))
+        tokens = encode(cuts)
     return tokens, cuts
 
 
@@ -431,9 +554,9 @@ def process_split(raw: RawSplit, job: _RowJob, num_proc: int, description: str) 
     items = [(job, (i, row)) for i, row in enumerate(raw.rows)]
     if num_proc > 1:
         with Pool(num_proc) as pool:
-            results = list(track(pool.imap(_guarded, items, chunksize=64), total=len(items), description=description))
+            results = list(progress(pool.imap(_guarded, items, chunksize=64), len(items), description))
     else:
-        results = [_guarded(item) for item in track(items, description=description)]
+        results = [_guarded(item) for item in progress(items, len(items), description)]
     out = []
     for index, processed, error in results:
         if error is not None:

@@ -130,7 +130,7 @@ def run_in_process(main, args, workdir) -> None:
     cwd = os.getcwd()
     os.makedirs(workdir, exist_ok=True)
     os.chdir(workdir)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
         main(args)
     finally:

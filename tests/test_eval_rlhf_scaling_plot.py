@@ -73,6 +73,13 @@ def read(out, name):
     return pd.read_csv(os.path.join(out, f"{name}.csv"), dtype={"seeds": str, "values": str})
 
 
+def choice(out, exp_name, base_model, seed):
+    """(run_name, status, why) of each run of a key in runs_used_rlhf_scaling_plot.csv, newest first."""
+    report = pd.read_csv(os.path.join(out, "runs_used_rlhf_scaling_plot.csv"))
+    rows = report[(report["exp_name"] == exp_name) & (report["base_model"] == base_model) & (report["seed"] == seed)]
+    return list(zip(rows["run_name"], rows["status"], rows["why"]))
+
+
 def check_outputs(out):
     runs = read(out, "rlhf_scale_plot_runs").set_index(["policy", "base_model", "seed"])
     sft1 = runs.loc[("SFT", PYTHIA_1B, 1)]
@@ -124,12 +131,32 @@ def test_gold_judge_tables(tmp_path, capsys):
     tokenizer = word_tokenizer(tmp_path / "tokenizer")
     write_runs(runs_dir, output_dir=tokenizer)  # the runs' output_dir holds their tokenizer
     rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, length_bins=2))
-    assert "ppo_left_padding__3__999 has no validation_table table" in capsys.readouterr().err
+    assert "runs of rlhf_scaling_plot.py from" in capsys.readouterr().err
+    assert choice(out, "ppo_left_padding", PYTHIA_1B, 3) == [
+        ("ppo_left_padding__3__999", "set aside", "no validation_table table")]
     check_outputs(out)
 
     # --num_rows judges the head of each table; --tokenizer overrides the runs' own
     rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, num_rows=1, tokenizer=tokenizer, run_glob="sft__*"))
     assert read(out, "rlhf_scale_plot_runs")["rows"].tolist() == [1, 1]
+
+
+def test_a_newer_run_without_a_table_does_not_displace_a_complete_one(tmp_path):
+    """A debug run without --run_eval, newer than the SFT run of its key, has no validation_table: the
+    complete run is judged (the outputs are those without the debug run) and the report names both."""
+    runs_dir, out = str(tmp_path / "runs"), str(tmp_path / "out")
+    write_runs(runs_dir, output_dir=word_tokenizer(tmp_path / "tokenizer"))
+    os.makedirs(os.path.join(runs_dir, "sft__1__999"))
+    with open(os.path.join(runs_dir, "sft__1__999", "args.json"), "w") as f:
+        json.dump({"exp_name": "sft", "base_model": PYTHIA_1B, "seed": 1}, f)
+    rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, length_bins=2))
+    check_outputs(out)
+    assert choice(out, "sft", PYTHIA_1B, 1) == [("sft__1__999", "set aside", "newer, but no validation_table table"),
+                                                ("sft__1__128", "used", "newest with what the plots need")]
+    assert "| sft | EleutherAI/pythia-1b-deduped | 1 | sft__1__999 |" in \
+        open(os.path.join(out, "runs_used_rlhf_scaling_plot.md")).read()
+    with pytest.raises(SystemExit, match="--runs pins sft__1__999 .* but sft__1__999 has no validation_table table"):
+        rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, length_bins=2, runs=["sft__1__999"]))
 
 
 def check_dpo_outputs(out):
@@ -236,6 +263,10 @@ def test_wandb_tables(tmp_path, monkeypatch):
     import wandb
 
     runs = [FakeWandbRun(*key, rows) for key, rows in {**TABLES, **DPO_TABLES}.items()]
+    debug = FakeWandbRun("sft", PYTHIA_1B, 1, TABLES[("sft", PYTHIA_1B, 1)])  # newer, without --run_eval
+    debug.name, debug.created_at = "sft_debug", "2024-06-01T00:00:00Z"
+    del debug.summary_metrics["validation_table"]
+    runs.append(debug)
     monkeypatch.setattr(wandb, "Api", lambda: type("Api", (), {"runs": lambda self, path, filters: runs})())
     out = str(tmp_path / "out")
     rlhf.main(rlhf.Args(wandb_project="tldr_summarize", out=out, length_bins=2,
@@ -247,3 +278,5 @@ def test_wandb_tables(tmp_path, monkeypatch):
     assert summary.loc[("DPO", PYTHIA_1B), "values"] == "0.625 0.5"
     assert summary.loc[("DPO", PYTHIA_2B8), "values"] == "0.75"
     assert list(summary.index.get_level_values("policy")) == ["SFT", "PPO", "PPO", "DPO", "DPO"]
+    assert choice(out, "sft", PYTHIA_1B, 1) == [("sft_debug", "set aside", "newer, but no validation_table table"),
+                                                ("sft_28_1", "used", "newest with what the plots need")]

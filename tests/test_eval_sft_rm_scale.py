@@ -100,13 +100,22 @@ def read(out, name):
     return pd.read_csv(os.path.join(out, f"{name}.csv"), dtype={"seeds": str, "values": str})
 
 
+def choice(out, exp_name, base_model, seed, script="sft_rm_scale"):
+    """(run_name, status, why) of each run of a key in runs_used_<script>.csv, newest first."""
+    report = pd.read_csv(os.path.join(out, f"runs_used_{script}.csv"))
+    rows = report[(report["exp_name"] == exp_name) & (report["base_model"] == base_model) & (report["seed"] == seed)]
+    return list(zip(rows["run_name"], rows["status"], rows["why"]))
+
+
 def test_sft_rm_scale_tables(tmp_path, capsys):
     runs_dir, out = str(tmp_path / "runs"), str(tmp_path / "out")
     fake_runs(runs_dir)
     sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out))
     err = capsys.readouterr().err
-    assert "keeping the newest, sft__1__200" in err and "ignoring sft__1__100" in err
-    assert "sft_no_eval has no validation/sft/rouge/rougeL" in err
+    assert "runs of sft_rm_scale.py from" in err and "7 used, 2 set aside" in err  # the choice, printed
+    assert choice(out, "sft", PYTHIA_1B, 1) == [("sft__1__200", "used", "newest"),
+                                                ("sft__1__100", "set aside", "older")]
+    assert choice(out, "sft", PYTHIA_2B8, 2) == [("sft_no_eval", "set aside", "no validation/sft/rouge/rougeL")]
     assert "warning: no dpo run with eval/rm/*/accuracy: no rm_scale_dpo_plot" in err
     assert not os.path.exists(os.path.join(out, "rm_scale_dpo_plot.csv"))
 
@@ -145,7 +154,8 @@ def test_dpo_beside_the_reward_model(tmp_path, capsys):
     capsys.readouterr()
     sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out))
     err = capsys.readouterr().err
-    assert "keeping the newest, dpo__1__310" in err and "ignoring dpo__1__100" in err
+    assert choice(out, "dpo", PYTHIA_1B, 1) == [("dpo__1__310", "used", "newest"),
+                                                ("dpo__1__100", "set aside", "older")]
     assert "run dpo__1__510 has no eval/rm/validation_cnndm/accuracy; left out" in err
     assert "no rm_scale_dpo_plot" not in err
 
@@ -200,13 +210,76 @@ def test_run_glob_and_exp_names(tmp_path):
         sft_rm_scale.main(sft_rm_scale.Args(runs_dir=str(tmp_path / "missing"), out=out))
 
 
+def test_a_newer_run_without_eval_does_not_displace_a_complete_one(tmp_path, capsys):
+    """A quick debug run without --run_eval, the newest of its key (and of its exp_name's only key at
+    2.8B), has no ROUGE-L: each key keeps its newest run that has it, and the report says why."""
+    runs_dir, out = str(tmp_path / "runs"), str(tmp_path / "out")
+    fake_runs(runs_dir)
+    write_run(runs_dir, "sft__1__900", "sft", PYTHIA_1B, 1, [{"train/sft/loss": 1.0}])
+    write_run(runs_dir, "sft__1__901", "sft", PYTHIA_2B8, 1, [{"train/sft/loss": 1.0}])
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out))
+    assert "sft__1__900" in capsys.readouterr().err
+
+    rouge = read(out, "rouge_score_plot").set_index("base_model")
+    assert rouge.loc[PYTHIA_1B, "values"] == "0.2 0.22 0.24" and rouge.loc[PYTHIA_2B8, "values"] == "0.3"
+    assert choice(out, "sft", PYTHIA_1B, 1) == [
+        ("sft__1__900", "set aside", "newer, but no validation/sft/rouge/rougeL"),
+        ("sft__1__200", "used", "newest with what the plots need"),
+        ("sft__1__100", "set aside", "older"),
+    ]
+    assert choice(out, "sft", PYTHIA_2B8, 1)[0] == ("sft__1__901", "set aside",
+                                                    "newer, but no validation/sft/rouge/rougeL")
+    report = open(os.path.join(out, "runs_used_sft_rm_scale.md")).read()
+    assert "| sft | EleutherAI/pythia-1b-deduped | 1 | sft__1__200 | 1970-01-01 00:03:20 UTC | used | newest with" \
+        in report
+    assert "`--runs reward__1__300 reward__2__300 reward__1__500 sft__1__200 sft__2__300 sft__3__300 sft__1__400`" \
+        in report
+
+
+def test_pinned_runs(tmp_path, capsys):
+    """--runs pins a run for its key whatever newer runs exist, also outside --run_glob; the report's
+    --runs line redraws the same plots after newer runs arrive."""
+    runs_dir, out = str(tmp_path / "runs"), str(tmp_path / "out")
+    fake_runs(runs_dir)
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, runs=["sft__1__100"]))
+    assert read(out, "rouge_score_plot")["values"].tolist() == ["0.9 0.22 0.24", "0.3"]
+    assert choice(out, "sft", PYTHIA_1B, 1) == [("sft__1__200", "set aside", "not pinned (--runs)"),
+                                                ("sft__1__100", "used", "pinned (--runs)")]
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, run_glob="*__3__*", runs=["sft__1__100"]))
+    assert read(out, "rouge_score_plot")["values"].tolist() == ["0.9 0.24"]
+
+    # a pattern pins every run it matches; a key uses the newest of its pinned runs
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, runs=["sft__1__[12]00"]))
+    assert choice(out, "sft", PYTHIA_1B, 1) == [("sft__1__200", "used", "pinned (--runs)"),
+                                                ("sft__1__100", "set aside", "older")]
+
+    # the runs a report names, pinned: a newer complete run changes nothing
+    line = open(os.path.join(out, "runs_used_sft_rm_scale.md")).read().split("`--runs ")[1].split("`")[0]
+    before = read(out, "rouge_score_plot")
+    write_run(runs_dir, "sft__1__950", "sft", PYTHIA_1B, 1, [{"validation/sft/rouge/rougeL": 0.5}])
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, runs=line.split()))
+    pd.testing.assert_frame_equal(read(out, "rouge_score_plot"), before)
+    assert choice(out, "sft", PYTHIA_1B, 1)[0] == ("sft__1__950", "set aside", "not pinned (--runs)")
+
+    # a pin that matches nothing pins nothing, with a warning; a pinned run without the metric is an error
+    capsys.readouterr()
+    sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, runs=["sft__1__[7]"]))
+    assert "warning: --runs 'sft__1__[7]' matches none of the runs found: it pins nothing" in capsys.readouterr().err
+    assert "--runs 'sft__1__[7]' matches none" in open(os.path.join(out, "runs_used_sft_rm_scale.md")).read()
+    with pytest.raises(SystemExit, match="--runs pins sft_no_eval for exp_name=sft base_model=EleutherAI/pythia-2.8b-"
+                                         "deduped seed=2, but sft_no_eval has no validation/sft/rouge/rougeL: pin a run"):
+        sft_rm_scale.main(sft_rm_scale.Args(runs_dir=runs_dir, out=out, runs=["sft_no_eval"]))
+
+
 def test_newest_run_without_time_in_name(tmp_path):
     """Hand-named runs (hello_world_sft) are ordered by when their args.json was written."""
     runs_dir = str(tmp_path / "runs")
     write_run(runs_dir, "hello_world_sft", "sft", PYTHIA_1B, 1, [], mtime=2_000)
     write_run(runs_dir, "hello_world_sft_all_tokens", "sft", PYTHIA_1B, 1, [], mtime=1_000)
-    kept = common.newest_per_key(common.local_runs(runs_dir, ["sft"]))
-    assert [r.name for r in kept] == ["hello_world_sft"]
+    used, report = common.choose_runs(common.local_runs(runs_dir, ["sft"]), [], lambda run: None)
+    assert [r.name for r in used] == ["hello_world_sft"]
+    assert report["run_name"].tolist() == ["hello_world_sft", "hello_world_sft_all_tokens"]
+    assert report["started"].tolist() == ["1970-01-01 00:33:20 UTC", "1970-01-01 00:16:40 UTC"]
 
 
 def test_model_sizes(tmp_path):

@@ -1283,3 +1283,46 @@ def test_lora_saves_the_merged_policy_and_the_adapter(lora_runs, checkpoints):
     plain = AutoModelForCausalLM.from_pretrained(os.path.join(workdir, "micro2")).eval()
     with torch.no_grad():
         assert torch.allclose(plain(rows).logits, wrapped(rows).logits, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# no silent failure (DESIGN section 22)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_reward_model_that_scores_nan_stops_the_run(tiny_datasets, checkpoints, tmp_path, one_thread, capsys):
+    """A reward model with NaN weights: the first rollout's scores are NaN, the run stops there naming
+    the update, the phase and the tensors (exit 1, no policy saved). With --on_nonfinite skip every
+    update is skipped and counted, and the saved policy is the SFT model, untouched."""
+    nan_rm = str(tmp_path / "nan_rm")
+    shutil.copytree(checkpoints[1], nan_rm)
+    weights = load_file(os.path.join(nan_rm, "model.safetensors"))
+    weights["score.weight"] = torch.full_like(weights["score.weight"], float("nan"))
+    from safetensors.torch import save_file
+
+    save_file(weights, os.path.join(nan_rm, "model.safetensors"), metadata={"format": "pt"})
+    common = dict(total_episodes=16, local_micro_batch_size=8, gradient_accumulation_steps=2,
+                  local_rollout_forward_batch_size=16, local_eval_batch_size=8)
+    args = tiny_args(tiny_datasets, checkpoints, str(tmp_path), "stop", reward_model_path=nan_rm, **common)
+    with pytest.raises(SystemExit) as stopped:
+        run_ppo(args, str(tmp_path))
+    assert stopped.value.code == 1
+    assert "STOPPED: update 1, rollout: non-finite scores and values and advantages" in capsys.readouterr().out
+    assert not os.path.exists(tmp_path / "stop" / "model.safetensors")
+    skip = tiny_args(tiny_datasets, checkpoints, str(tmp_path), "skip", reward_model_path=nan_rm, on_nonfinite="skip",
+                     total_episodes=32, **{k: v for k, v in common.items() if k != "total_episodes"})
+    run_ppo(skip, str(tmp_path))
+    assert "update 2, rollout: non-finite scores and values and advantages; skipped" in capsys.readouterr().out
+    saved, sft_weights = load_file(str(tmp_path / "skip" / "model.safetensors")), load_file(
+        os.path.join(checkpoints[0], "model.safetensors"))
+    assert all(torch.equal(saved[k], sft_weights[k]) for k in sft_weights)
+
+
+def test_a_causal_lm_as_reward_model_is_refused(tiny_datasets, checkpoints, tmp_path):
+    """The SFT model given as --reward_model_path would load with a random score head (and train the
+    policy against a random reward): refused, naming the path, before any update."""
+    args = tiny_args(tiny_datasets, checkpoints, str(tmp_path), "wrong", reward_model_path=checkpoints[0])
+    with pytest.raises(ValueError, match=rf"{checkpoints[0]}: expected a reward model .* found a GPTNeoXForCausalLM "
+                                         r"checkpoint, without score.weight"):
+        run_ppo(args, str(tmp_path))
+    assert not os.path.exists(tmp_path / "runs")

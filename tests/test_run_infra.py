@@ -281,3 +281,118 @@ def test_changed_settings_known_answer():
     changed.ppo.kl_coef = 0.1
     assert run_infra.changed_settings(saved, run_infra.run_settings(changed)) == [
         "lr 3e-06 there, 1e-05 here", "ppo.kl_coef 0.05 there, 0.1 here"]
+
+
+# ---------------------------------------------------------------------------------------------
+# no silent failure (DESIGN section 22)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_progress_lines_where_no_terminal_shows_a_bar(capsys, monkeypatch):
+    """Not a terminal (pytest captures stdout): a plain line every total / 20 items, one whenever a
+    minute has passed since the last, and the last one; each with done / total, the status and an ETA."""
+    clock = iter([0.0] + [float(t) for t in range(10, 1000, 10)])
+    monkeypatch.setattr(run_infra.time, "time", lambda: next(clock))
+    status = {"loss": 0.0}
+    for i in run_infra.progress(range(40), 40, "sft", status=lambda: f"loss {status['loss']:.2f}"):
+        status["loss"] = i / 10
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 20 and lines[0] == "sft 2/40 (5%) | loss 0.10 | 0:00:20 elapsed, ETA 0:06:20"
+    assert lines[-1] == "sft 40/40 (100%) | loss 3.90 | 0:06:40 elapsed, ETA 0:00:00"
+    # slow items: the minute rule; a loop left early still ends with its line
+    clock = iter([0.0] + [float(t) for t in range(70, 10000, 70)])
+    for i in run_infra.progress(range(1000), 1000, "ppo"):
+        if i == 2:
+            break
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["ppo 1/1000 (0%) | 0:01:10 elapsed, ETA 19:25:30", "ppo 2/1000 (0%) | 0:02:20 elapsed, ETA 19:24:20"]
+    assert list(run_infra.progress(range(3), 3, "quiet", enabled=False)) == [0, 1, 2]
+    assert capsys.readouterr().out == ""
+
+
+def test_metrics_jsonl_is_strict_json(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = sft.Args(run_name="strict", on_nonfinite="skip")
+    logger = run_infra.Logger(args, types.SimpleNamespace(is_main_process=True))
+    logger.log({"loss": float("nan"), "kl": float("inf"), "lr": 0.5}, 1)
+    logger.close()
+    line = (tmp_path / "runs" / "strict" / "metrics.jsonl").read_text()
+    assert line == '{"step": 1, "loss": null, "kl": null, "lr": 0.5, "nonfinite/skipped": 0}\n'
+
+
+def save_tiny(path, kind: str) -> str:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+    config = GPTNeoXConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    (GPTNeoXForCausalLM if kind == "causal" else GPTNeoXForSequenceClassification)(config).save_pretrained(path)
+    return str(path)
+
+
+def test_a_model_path_without_the_head_the_stage_needs_is_refused(tmp_path):
+    """A causal LM given as the reward model (or the critic) would load with a random score head, and
+    a reward model given as a policy with a random LM head: both are errors naming the path and what
+    it holds. reward.py's new head over an SFT model is allowed."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    causal, classifier = save_tiny(tmp_path / "sft", "causal"), save_tiny(tmp_path / "rm", "reward")
+    with pytest.raises(ValueError, match=r"sft: expected a reward model \(a reward model from reward.py\), found a "
+                                         r"GPTNeoXForCausalLM checkpoint, without score.weight"):
+        run_infra.checked_load(AutoModelForSequenceClassification, causal, "reward model", num_labels=1)
+    with pytest.raises(ValueError, match=r"rm: expected a causal LM .* found a GPTNeoXForSequenceClassification "
+                                         r"checkpoint, without lm_head.weight"):
+        run_infra.checked_load(AutoModelForCausalLM, classifier, "causal LM")
+    assert run_infra.checked_load(AutoModelForSequenceClassification, causal, "reward model", new_head="score",
+                                  num_labels=1).score.weight.shape == (1, 16)
+    run_infra.checked_load(AutoModelForSequenceClassification, classifier, "reward model", num_labels=1)
+    run_infra.checked_load(AutoModelForCausalLM, causal, "causal LM")
+
+
+def test_an_output_folder_in_use_is_refused_and_no_lock_outlives_its_run(tmp_path):
+    """A second run into a folder a running one holds is refused, naming that run's pid; once that
+    process dies (here: SIGKILL, no clean-up at all) the folder is free again."""
+    import signal
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom summarize_from_feedback_details import "
+                               f"run_infra\nheld = run_infra.lock_output_dir({str(tmp_path)!r})\nprint('held', flush=True)\n"
+                               "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(RuntimeError, match=rf"--output_dir {tmp_path} is in use by a running run \(pid "
+                                               rf"{holder.pid} on .*Wait for it, stop it, or choose another"):
+            run_infra.lock_output_dir(str(tmp_path))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    run_infra.lock_output_dir(str(tmp_path)).close()
+
+
+def test_settings_that_cannot_work_are_named():
+    run_infra.check_settings(sft.Args())
+    with pytest.raises(ValueError, match="--response_length must be >= 1, got 0"):
+        run_infra.check_settings(sft.Args(response_length=0))
+    with pytest.raises(ValueError, match="--local_rollout_forward_batch_size must be >= 1, got 0"):
+        run_infra.check_settings(ppo_left_padding.Args(local_rollout_forward_batch_size=0))
+    with pytest.raises(ValueError, match="--checkpoint_every must be >= 0"):
+        run_infra.check_settings(reward.Args(checkpoint_every=-1))
+    with pytest.raises(ValueError, match=r"q has no 'validation' split, which --run_eval needs \(it has 'train'\)"):
+        run_infra.require_splits({"train": None}, "q", ("validation",), "--run_eval")
+
+
+def test_no_library_noise_on_the_command_line():
+    """`--help` of every stage prints its help and nothing else: no bitsandbytes kernel warning (peft
+    imports it, transformers' optimization module imports peft), no DeepSpeed accelerator notice."""
+    import subprocess
+    import sys
+
+    helps = {stage: subprocess.Popen([sys.executable, str(PACKAGE / f"{stage}.py"), "--help"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+             for stage in STAGES}
+    for stage, process in helps.items():
+        out, _ = process.communicate(timeout=300)
+        assert process.returncode == 0 and out.startswith("usage:"), (stage, out[:500])
+        for noise in ("gemm_4bit", "kernels-community", "Setting accelerator", "WARNING"):
+            assert noise not in out, (stage, noise)

@@ -606,3 +606,167 @@ def test_lora_resume_equals_the_uninterrupted_run(tiny_datasets, tokenizer_dir, 
     resumed, p_resumed = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", resume=True, **common)
     assert without_rates(resumed) == without_rates(whole) and len(losses(whole)) == 4
     assert_same_params(p_whole, p_resumed, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# no silent failure (DESIGN section 22)
+# ---------------------------------------------------------------------------------------------
+
+
+def strict_metrics(workdir, name) -> list:
+    """metrics.jsonl read by a strict JSON reader (NaN and Infinity are not JSON)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} in metrics.jsonl")
+
+    with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f]
+
+
+def nan_loss_in_call(monkeypatch, call: int) -> None:
+    """sft.sequence_losses returns NaN losses in its `call`-th call (a micro-batch's forward)."""
+    original, calls = sft.sequence_losses, []
+
+    def with_nan(*args, **kwargs):
+        calls.append(1)
+        loss_sums, counts = original(*args, **kwargs)
+        return (loss_sums * float("nan"), counts) if len(calls) == call else (loss_sums, counts)
+
+    monkeypatch.setattr(sft, "sequence_losses", with_nan)
+
+
+def test_divergence_stops_the_run_and_keeps_the_last_checkpoint(tiny_datasets, tokenizer_dir, tmp_path, monkeypatch,
+                                                                capsys):
+    """--lr 1e9 (the issue's run): update 1 throws the weights far out, update 2's loss is not finite,
+    and the run stops there, naming the update, the phase and the tensor: exit 1, no model saved.
+    A NaN loss in update 3 with a checkpoint every update: the checkpoint of update 2 stays, metrics.jsonl
+    stays strict JSON, and --resume finishes the run as if nothing had happened."""
+    common = dict(total_episodes=32, local_micro_batch_size=4, gradient_accumulation_steps=2, checkpoint_every=1)
+    with pytest.raises(SystemExit) as stopped:
+        sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "diverged", lr=1e9, **common)
+    assert stopped.value.code == run_infra.NONFINITE_EXIT_CODE == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "STOPPED: update 2, optimizer step: non-finite loss" in out and "No model saved" in out
+    assert not os.path.exists(tmp_path / "diverged" / "model.safetensors")
+
+    whole, p_whole = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "whole", **common)
+    with monkeypatch.context() as patch:
+        nan_loss_in_call(patch, 5)  # update 3, first micro-batch
+        with pytest.raises(SystemExit) as stopped:
+            sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "nan", **common)
+    assert stopped.value.code == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "STOPPED: update 3, optimizer step: non-finite loss and gradient norm" in out
+    assert f"the last checkpoint, {tmp_path / 'nan' / 'checkpoints' / 'update-0000002'}, is kept" in out
+    assert not os.path.exists(tmp_path / "nan" / "model.safetensors")
+    assert os.listdir(tmp_path / "nan" / "checkpoints") == ["update-0000002"]
+    assert len(strict_metrics(tmp_path, "nan")) == 2
+    resumed, p_resumed = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "nan", resume=True, **common)
+    assert without_rates(resumed) == without_rates(whole)
+    assert_same_params(p_whole, p_resumed, rtol=0, atol=0)
+
+
+def test_on_nonfinite_skip_skips_the_update_and_counts_it(tiny_datasets, tokenizer_dir, tmp_path, monkeypatch, capsys):
+    """A NaN loss in the second micro-batch of update 2 (of 3): with --on_nonfinite skip that update
+    changes no weight (the checkpoints of updates 1 and 2 hold the same weights), the run goes on and
+    counts it; metrics.jsonl stays strict JSON (the NaN loss is null)."""
+    common = dict(total_episodes=24, local_micro_batch_size=4, gradient_accumulation_steps=2, on_nonfinite="skip",
+                  checkpoint_every=1, keep_checkpoints=3)
+    nan_loss_in_call(monkeypatch, 4)
+    metrics, params = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "skip", **common)
+    assert "update 2, optimizer step: non-finite loss and gradient norm; skipped" in " ".join(capsys.readouterr().out.split())
+    metrics = strict_metrics(tmp_path, "skip")
+    assert [m["nonfinite/skipped"] for m in metrics] == [0, 1, 1]
+    assert metrics[1]["train/sft/loss"] is None and metrics[2]["train/sft/loss"] is not None
+    after = {u: torch.load(tmp_path / "skip" / "checkpoints" / f"update-000000{u}" / "state.pt")["model"]
+             for u in (1, 2, 3)}
+    assert all(torch.equal(after[1][k], after[2][k]) for k in after[1])  # the skipped update moved nothing
+    assert any(not torch.equal(after[2][k], after[3][k]) for k in after[2])  # the next one did
+    assert all(torch.isfinite(p).all() for p in params.values())
+
+
+def test_ctrl_c_mid_update_checkpoints_and_resumes_to_the_uninterrupted_run(tiny_datasets, tokenizer_dir, tmp_path,
+                                                                            monkeypatch, capsys):
+    """SIGINT (Ctrl-C) is a stop signal: in the middle of update 2 the run finishes the update,
+    checkpoints, exits 75, and --resume gives the uninterrupted run's weights bit for bit. After the
+    first Ctrl-C a second one raises KeyboardInterrupt at once (the default handler is back)."""
+    import signal
+
+    common = dict(total_episodes=32, local_micro_batch_size=4, gradient_accumulation_steps=2)
+    whole, p_whole = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "whole", **common)
+    handlers = []
+    with monkeypatch.context() as patch:
+        signal_on_call(patch, sft, "sequence_losses", 3, signum=signal.SIGINT)
+        original = run_infra.Checkpoints.exit_after_stop
+
+        def note_handler(self, *args):
+            handlers.append(signal.getsignal(signal.SIGINT))
+            original(self, *args)
+
+        patch.setattr(run_infra.Checkpoints, "exit_after_stop", note_handler)
+        with pytest.raises(SystemExit) as stopped:
+            sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", **common)
+    assert stopped.value.code == 75 and handlers == [signal.default_int_handler]
+    assert "Ctrl-C: stopping with a checkpoint" in capsys.readouterr().out
+    assert os.listdir(tmp_path / "stopped" / "checkpoints") == ["update-0000002"]
+    resumed, p_resumed = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", resume=True, **common)
+    assert without_rates(resumed) == without_rates(whole)
+    assert_same_params(p_whole, p_resumed, rtol=0, atol=0)
+
+
+def test_a_stop_signal_during_the_final_eval_ends_it_promptly(tiny_datasets, tokenizer_dir, tmp_path, monkeypatch):
+    """SIGUSR1 in the second generation of the final eval: the eval stops after that batch with a
+    checkpoint of the last update, exit 75; --resume only evaluates and saves, and gives the
+    uninterrupted run's model and eval metrics."""
+    common = dict(total_episodes=16, local_micro_batch_size=4, gradient_accumulation_steps=2, run_eval=True,
+                  local_eval_batch_size=16)
+    whole, p_whole = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "whole", **common)
+    generations = []
+    with monkeypatch.context() as patch:
+        signal_on_call(patch, sft, "generate", 2)
+        original = sft.generate
+        patch.setattr(sft, "generate", lambda *a, **k: generations.append(1) or original(*a, **k))
+        with pytest.raises(SystemExit) as stopped:
+            sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", **common)
+    batches = -(-len(load_from_disk(os.path.join(tiny_datasets[0], "sft"))["validation"]) // 16)
+    assert stopped.value.code == 75 and len(generations) == 2 < batches
+    assert os.listdir(tmp_path / "stopped" / "checkpoints") == ["update-0000002"]
+    assert not os.path.exists(tmp_path / "stopped" / "model.safetensors")
+    resumed, p_resumed = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", resume=True, **common)
+    assert without_rates(resumed) == without_rates(whole)
+    assert_same_params(p_whole, p_resumed, rtol=0, atol=0)
+
+
+def test_bad_settings_are_refused_before_training(tiny_datasets, tokenizer_dir, tmp_path):
+    """--response_length 0, a LoRA target that names no layer, and --run_eval on a dataset without a
+    validation split: each a one-line error that says what to do, before any update."""
+    data = load_from_disk(os.path.join(tiny_datasets[0], "sft"))
+    no_validation = str(tmp_path / "no_validation")
+    type(data)({s: d for s, d in data.items() if s != "validation"}).save_to_disk(no_validation)
+    with pytest.raises(ValueError, match="--response_length must be >= 1, got 0"):
+        sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "zero", response_length=0)
+    with pytest.raises(ValueError, match=r"--lora_target_modules qkv: .* This model's linear layers are named "
+                                         r"dense dense_4h_to_h dense_h_to_4h lm_head query_key_value \(or use all-linear\)"):
+        sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "lora", use_peft=True, lora_target_modules=["qkv"])
+    with pytest.raises(ValueError, match=r"no_validation has no 'validation' split, which --run_eval .* needs"):
+        sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "split", query_dataset=no_validation, run_eval=True)
+    assert not os.path.exists(tmp_path / "runs")  # refused before the logs began
+
+
+def test_a_run_shows_progress_lines_and_ends_with_a_summary(tiny_datasets, tokenizer_dir, tmp_path):
+    """Under a redirect (not a terminal): plain progress lines with the loss and an ETA, no library
+    noise, and the summary block naming the model, metrics.jsonl and TensorBoard folders."""
+    result, metrics, _ = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "shown", "--total_episodes", "48",
+                                 "--local_micro_batch_size", "4", "--gradient_accumulation_steps", "1", "--run_eval",
+                                 "--local_eval_batch_size", "16")
+    lines = result.stdout.splitlines()
+    progress = [line for line in lines if line.startswith("sft ")]
+    assert progress[0].startswith("sft 1/12 (8%) | loss ") and "elapsed, ETA" in progress[0]
+    assert progress[-1].startswith("sft 12/12 (100%) | loss ") and progress[-1].endswith("ETA 0:00:00")
+    assert any(line.startswith("eval validation ") for line in lines)
+    assert "── sft done: shown, 12 updates in" in result.stdout
+    assert f"model        {tmp_path / 'shown'}" in result.stdout
+    assert f"metrics      {os.path.join('runs', 'shown', 'metrics.jsonl')}" in result.stdout
+    last_loss = [m["train/sft/loss"] for m in metrics if "train/sft/loss" in m][-1]
+    assert f"last values  loss {last_loss:.4g}" in result.stdout
+    for noise in ("gemm_4bit", "Setting accelerator to CPU", "LOAD REPORT", "Loading weights", "Writing model shards"):
+        assert noise not in result.stdout + result.stderr, noise

@@ -1,11 +1,20 @@
+import collections
+import contextlib
+import dataclasses
 import filecmp
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import warnings
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import tyro
 from conftest import FIXTURES, TINY_CNNDM_PARAMS, TINY_TLDR_PARAMS, tiny_dataset_args
 from datasets import load_from_disk
 
@@ -24,8 +33,7 @@ class CharTokenizer:
 
 
 def params(length, format_str="{post}", field="post"):
-    return td.TaskParams(length=length, format_str=format_str, truncate_field=field,
-                         max_rm_response_length=8, max_rm_query_response_length=16)
+    return td.TldrParams(length=length, format_str=format_str, truncate_field=field)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,8 +87,7 @@ def test_smart_truncation_with_the_real_tokenizer(tokenizer):
     fields = {"subreddit": "relationships", "title": "help", "post": post}
     expected = "SUBREDDIT: r/relationships\n\nTITLE: help\n\nPOST: first paragraph is here.\n\nsecond one.\n\nTL;DR:"
     length = len(tokenizer.encode(expected))
-    p = td.TaskParams(length=length, format_str=td.Args().tldr_params.format_str, truncate_field="post",
-                      max_rm_response_length=8, max_rm_query_response_length=16)
+    p = td.TldrParams(length=length)
     out = td.process_query(fields, p, tokenizer)
     assert len(out["query_token"]) == length and tokenizer.pad_token_id not in out["query_token"]
     # cut 1 drops the long paragraph (leaving "second one.\n"), cut 2 the dangling newline
@@ -290,6 +297,84 @@ def test_missing_file_and_bad_json(raw_dir, tokenizer_dir, tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+def sft_rows(count):
+    return [{"id": str(k), "subreddit": "r", "title": "t", "post": f"post {k}", "summary": "s"} for k in range(count)]
+
+
+# row 3 of every file below: "café " then the byte 0xff, inside the post (27th character, 28th byte)
+BAD_ROW = b'{"id": "3", "post": "caf\xc3\xa9 \xff"}'
+
+
+@pytest.mark.parametrize("name,lines,row_line", [
+    # a blank line after row 1: row 3 is on line 5
+    ("train.jsonl", [json.dumps(r).encode() for r in sft_rows(2)] + [b"", b"{}", BAD_ROW, b"{}"], 5),
+    ("train.json", [json.dumps(r).encode() for r in sft_rows(3)] + [BAD_ROW], 4),  # (JSON lines in a .json)
+    # one array, "[" on line 1, a row per line
+    ("train.json", [b"["] + [json.dumps(r).encode() + b"," for r in sft_rows(3)] + [BAD_ROW + b",", b"{}", b"]"], 5),
+])
+def test_a_byte_that_is_not_utf8_names_file_row_line_and_column(tmp_path, name, lines, row_line):
+    path = tmp_path / name
+    data = b"\n".join(lines) + b"\n"
+    path.write_bytes(data)
+    offset = data.index(b"\xff")
+    with pytest.raises(td.DataError) as e:
+        td.read_rows(str(path))
+    assert str(e.value) == (f"{path}: row 3 (line {row_line}, column 27, byte offset {offset}): byte 0xff is not "
+                            f"UTF-8 (invalid start byte)")
+
+
+def write_parquet_with_bad_post(path, row: int) -> None:
+    """Four rows (id, post); the post of `row` holds the byte 0xff at byte 4. (pyarrow checks UTF-8 when
+    it builds strings from Python, not from raw buffers.)"""
+    posts = [f"post{k}".encode() for k in range(4)]
+    posts[row] = b"post\xff"
+    offsets = pa.array([0, 5, 10, 15, 20], pa.int32()).buffers()[1]
+    bad_posts = pa.StringArray.from_buffers(4, offsets, pa.py_buffer(b"".join(posts)))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pq.write_table(pa.table({"id": ["0", "1", "2", "3"], "post": bad_posts}), path)
+
+
+def test_a_parquet_cell_that_is_not_utf8_names_file_row_and_column(tmp_path):
+    path = str(tmp_path / "train.parquet")
+    write_parquet_with_bad_post(path, 2)
+    with pytest.raises(td.DataError) as e:
+        td.read_rows(path)
+    assert str(e.value) == (f"{path}: row 2: column 'post': byte 0xff at byte 4 of its text is not UTF-8 "
+                            f"(invalid start byte)")
+    # a local copy of the hub's parquet export goes through `datasets`: the same message, per split
+    export = tmp_path / "export"
+    for split, row in (("train", 0), ("validation", 3)):
+        write_parquet_with_bad_post(str(export / "comparisons" / split / "0000.parquet"), row)
+    with pytest.raises(td.DataError) as e:
+        td.load_raw(str(export), td.PREFERENCE_SOURCE_SPLITS, "comparisons")
+    assert str(e.value) == (f"{export}/comparisons[train]: row 0: column 'post': byte 0xff at byte 4 of its text is "
+                            f"not UTF-8 (invalid start byte)")
+
+
+def test_a_byte_that_is_not_utf8_stops_the_build_with_file_row_and_line(raw_dir, tokenizer_dir, tmp_path):
+    raw = copy_raw(raw_dir, tmp_path)
+    path = os.path.join(raw, "comparisons", "train.jsonl")
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    lines[6] = lines[6].replace(b'"post": "', b'"post": "\xff', 1)
+    with open(path, "wb") as f:
+        f.write(b"\n".join(lines))
+    with pytest.raises(td.DataError, match=rf"^{re.escape(path)}: row 6 \(line 7, column \d+, byte offset \d+\): "
+                                           r"byte 0xff is not UTF-8 \(invalid start byte\)$"):
+        td.run(tiny_dataset_args(raw, tokenizer_dir, str(tmp_path / "out")))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_json_lines_end_at_newlines_only(tmp_path):
+    """U+2028 and U+0085 may stand unescaped inside a JSON string: they do not end a row."""
+    rows = sft_rows(3)
+    rows[1]["post"] = "one\u2028two\x85three"
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
+    read = td.read_rows(str(path))
+    assert read.rows == rows and read.line_numbers == [1, 2, 3]
+
+
 def test_a_response_longer_than_its_max_length_is_an_error(raw_dir, tokenizer_dir, tmp_path):
     args = tiny_dataset_args(raw_dir, tokenizer_dir, str(tmp_path / "out"))
     args.tldr_params.max_sft_response_length = 12
@@ -490,3 +575,38 @@ def test_cli_runs_and_reports_bad_input(raw_dir, tokenizer_dir, tmp_path):
     assert result.returncode == 1
     assert f"error: {bad}/tldr_sft/train.jsonl: row 4 (line 5): column 'post': empty text" in result.stderr
     assert not os.path.exists(tmp_path / "cli2")
+
+
+# ---------------------------------------------------------------------------------------------
+# --help
+# ---------------------------------------------------------------------------------------------
+
+
+def help_by_flag(args_class) -> dict:
+    """--flag -> the help tyro gives it, without the "(default: ...)" it appends. (tyro's get_parser is
+    deprecated, but it is the API that hands out each flag's help.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        parser = tyro.extras.get_parser(args_class)
+    return {action.option_strings[0]: " ".join(action.help.replace("%%", "%").split("(default:")[0].split())
+            for action in parser._actions if "--help" not in action.option_strings}
+
+
+def test_every_flag_has_a_help_of_its_own(monkeypatch):
+    helps = help_by_flag(td.Args)
+    flags = set()
+    for f in dataclasses.fields(td.Args):
+        nested = dataclasses.is_dataclass(f.type)
+        names = [f"{f.name}.{g.name}" for g in dataclasses.fields(f.type)] if nested else [f.name]
+        flags |= {"--" + name.replace("_", "-") for name in names}
+    assert set(helps) == flags
+    assert [flag for flag, text in helps.items() if not text] == []
+    shared = collections.Counter(helps.values())
+    assert [flag for flag, text in helps.items() if shared[text] > 1] == []
+    # and --help prints them (box borders and line breaks undone)
+    monkeypatch.setenv("COLUMNS", "120")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        tyro.cli(td.Args, args=["--help"])
+    printed = " ".join(out.getvalue().replace("│", " ").split())
+    assert [flag for flag, text in helps.items() if text not in printed] == []

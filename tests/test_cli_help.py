@@ -1,0 +1,163 @@
+"""The command line of the stages: every flag's --help says what it does, and flags that TRL, CleanRL or the
+paper's scripts spell differently stop with our name for them (issue 24, items 1 and 9).
+
+In-process throughout (tyro's parser and `--help` of the imported Args): a subprocess per stage would pay
+the torch import each time."""
+
+import ast
+import collections
+import contextlib
+import io
+import re
+import typing
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import tyro
+
+from summarize_from_feedback_details import (dpo, ppo_left_padding, reward, run_infra, sft, synthetic_tldr,
+                                             tiny_models)
+
+STAGES = {"sft": sft, "reward": reward, "dpo": dpo, "ppo_left_padding": ppo_left_padding,
+          "tiny_models": tiny_models, "synthetic_tldr": synthetic_tldr}
+TRAINING_STAGES = ("sft", "reward", "dpo", "ppo_left_padding")
+
+
+def flag_helps(args_class) -> dict:
+    """--flag -> the help text that `--help` shows for it, without tyro's "(default: ...)" and with its
+    whitespace collapsed. (tyro's get_parser is deprecated but is the API that hands out each flag's help;
+    `test_help_texts_are_what_help_prints` checks that they are what --help prints.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        parser = tyro.extras.get_parser(args_class)
+    helps = {}
+    for action in parser._actions:
+        if "--help" in action.option_strings:
+            continue
+        text = (action.help or "").replace("%%", "%")  # (argparse's escape of %)
+        default = text.rfind("(default:")
+        helps[action.option_strings[0]] = " ".join((text[:default] if default >= 0 else text).split())
+    return helps
+
+
+def help_problems(helps: dict) -> list:
+    """Flags without a help of their own: an empty one, or one that other flags share (what a `# group`
+    comment above undocumented fields gives them all)."""
+    problems = [f"{flag} has no help" for flag, text in helps.items() if not text]
+    by_text = collections.defaultdict(list)
+    for flag, text in helps.items():
+        if text:
+            by_text[text].append(flag)
+    problems += [f"{' '.join(flags)} share the help {text!r}" for text, flags in by_text.items() if len(flags) > 1]
+    return problems
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_flag_has_a_help_of_its_own(stage):
+    helps = flag_helps(STAGES[stage].Args)
+    assert len(helps) >= 10, helps  # (the parser really lists the flags)
+    assert help_problems(helps) == []
+
+
+@dataclass
+class _Undocumented:
+    # optimizer
+    lr: float = 3e-6
+    eps: float = 1e-5
+
+    seed: int = 1
+    documented: bool = False
+    """a flag with its own help"""
+
+
+def test_the_help_check_can_fail():
+    helps = flag_helps(_Undocumented)
+    assert helps["--lr"] == helps["--eps"] == "optimizer"  # (tyro's inheritance of the group comment)
+    problems = help_problems(helps)
+    assert any("--lr" in p and "--eps" in p and "optimizer" in p for p in problems), problems
+    assert "--seed has no help" in problems
+    assert not any("--documented" in p for p in problems)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_help_texts_are_what_help_prints(stage, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")  # (one column of option groups, as on a terminal)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        tyro.cli(STAGES[stage].Args, args=["--help"])
+    assert exit_info.value.code == 0
+    shown = " ".join(re.sub("[│╭╮╰╯─]", " ", out.getvalue()).split())  # (box borders and wrapping undone)
+    assert [flag for flag, text in flag_helps(STAGES[stage].Args).items() if text not in shown] == []
+
+
+@pytest.mark.parametrize("stage", TRAINING_STAGES)
+def test_training_stages_have_on_nonfinite(stage):
+    args_class = STAGES[stage].Args
+    assert typing.get_args(typing.get_type_hints(args_class)["on_nonfinite"]) == ("stop", "skip")
+    assert args_class().on_nonfinite == "stop"
+
+
+@pytest.mark.parametrize("stage", TRAINING_STAGES)
+def test_training_stages_parse_their_command_line_with_parse_args(stage):
+    """`python <stage>.py ...` goes through run_infra.parse_args, not tyro.cli directly."""
+    tree = ast.parse(open(STAGES[stage].__file__).read())
+    guard = [node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
+    assert len(guard) == 1 and "main(parse_args(Args))" in ast.unparse(guard[0])
+
+
+@pytest.mark.parametrize("stage, argv, suggestion", [
+    ("ppo_left_padding", ["--ppo.num_mini_batches", "4"], "here it is --nminibatches"),
+    ("ppo_left_padding", ["--num-mini-batches=4"], "here it is --nminibatches"),
+    ("ppo_left_padding", ["--ppo.nminibatches", "4"], "here it is --nminibatches"),  # (the paper's unused one)
+    ("ppo_left_padding", ["--num_ppo_epochs", "2"], "here it is --ppo.noptepochs"),
+    ("ppo_left_padding", ["--init_kl_coef", "0.1"], "here it is --ppo.kl_coef"),
+    ("ppo_left_padding", ["--beta", "0.1"], "here it is --ppo.kl_coef"),
+    ("ppo_left_padding", ["--kl_coef", "0.1"], "--kl_coef is --ppo.kl_coef here"),
+    ("ppo_left_padding", ["--reward.kl_coef", "0.1"], "--reward.kl_coef is --ppo.kl_coef here"),
+    ("ppo_left_padding", ["--reward.adaptive_kl.target", "3"], "is --ppo.target here"),
+    ("ppo_left_padding", ["--ppo.total_episodes", "1024"], "is --total_episodes here"),
+    ("ppo_left_padding", ["--total_timesteps", "1024"], "here it is --total_episodes"),
+    ("ppo_left_padding", ["--missing_eos_penalty", "1"], "here it is --penalty_reward_value"),
+    ("ppo_left_padding", ["--model_name_or_path", "m"], "here it is --sft_model_path"),
+    ("sft", ["--learning_rate", "1e-5"], "here it is --lr"),
+    ("sft", ["--per_device_train_batch_size", "2"], "here it is --local_micro_batch_size"),
+    ("sft", ["--model_name_or_path", "m"], "here it is --base_model"),
+    ("reward", ["--model_name_or_path", "m"], "here it is --sft_model_path"),
+    ("reward", ["--dataset_name", "d"], "here it is --label_dataset"),
+    ("dpo", ["--loss_type", "ipo"], "here it is --ipo"),
+    ("dpo", ["--lr_scheduler_type", "linear"], "here it is --scheduler"),
+])
+def test_foreign_flags_stop_with_our_name(stage, argv, suggestion, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_infra.parse_args(STAGES[stage].Args, args=["--seed", "3", *argv])
+    assert exit_info.value.code != 0
+    assert suggestion in capsys.readouterr().err
+
+
+def test_our_own_flags_in_every_spelling_reach_tyro():
+    args = run_infra.parse_args(ppo_left_padding.Args, args=[
+        "--ppo.kl-coef", "0.1", "--ppo.no-whiten-rewards", "--no_compile_decode", "--local_micro_batch_size=2",
+        "--on_nonfinite", "skip", "--lora_target_modules", "query_key_value", "dense"])
+    assert (args.ppo.kl_coef, args.ppo.whiten_rewards, args.compile_decode, args.local_micro_batch_size,
+            args.on_nonfinite, args.lora_target_modules) == (0.1, False, False, 2, "skip", ["query_key_value", "dense"])
+    assert run_infra.parse_args(dpo.Args, args=["--beta", "0.1"]).beta == 0.1  # (DPO's own beta is no KL coef)
+
+
+def test_unknown_flags_are_left_to_tyro(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_infra.parse_args(sft.Args, args=["--lrr", "1e-5"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "here it is" not in captured.err and "--lrr" in captured.out + captured.err  # (tyro's message)
+
+
+def test_every_foreign_flag_leads_to_a_flag_that_exists():
+    """A typo in FOREIGN_FLAGS (a flag renamed since) would make its suggestion a dead end."""
+    flags = {stage: run_infra.flag_names(STAGES[stage].Args) for stage in TRAINING_STAGES}
+    for name, (source, targets) in run_infra.FOREIGN_FLAGS.items():
+        assert source and targets, name
+        for target, _ in targets:
+            assert any(target in stage_flags for stage_flags in flags.values()), (name, target)
+        assert not all(name in stage_flags for stage_flags in flags.values()), f"--{name} is a flag of every stage"
+    assert {"lr", "nminibatches", "ppo.kl_coef", "ppo.noptepochs", "on_nonfinite"} <= flags["ppo_left_padding"]
