@@ -174,13 +174,13 @@ class Args:
     output_dir: str = "models/dpo_model"
     """where the trained policy and tokenizer are saved, with checkpoints/ inside ("" saves nothing)"""
 
-    # filled in at run time
-    world_size: Optional[int] = None
-    """derived: the number of processes (a value given here is ignored)"""
-    local_batch_size: Optional[int] = None
-    """derived: local_micro_batch_size x gradient_accumulation_steps (a value given here is ignored)"""
-    num_updates: Optional[int] = None
-    """derived: total_episodes // batch_size (a value given here is ignored)"""
+    # filled in at run time, not flags: a value given for one would be overwritten without a word
+    world_size: tyro.conf.Suppress[Optional[int]] = None
+    """derived: the number of processes"""
+    local_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """derived: local_micro_batch_size x gradient_accumulation_steps"""
+    num_updates: tyro.conf.Suppress[Optional[int]] = None
+    """derived: total_episodes // batch_size"""
 
 
 TRAIN_COLUMNS = ("query_chosen_token", "query_rejected_token", "query_chosen_token_response_label",

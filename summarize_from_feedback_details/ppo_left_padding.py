@@ -236,19 +236,19 @@ class Args:
 
     ppo: PpoHParams = field(default_factory=PpoHParams)
 
-    # filled in at run time
-    world_size: Optional[int] = None
-    """derived: the number of processes (a value given here is ignored)"""
-    local_mini_batch_size: Optional[int] = None
-    """derived: local_micro_batch_size x gradient_accumulation_steps (a value given here is ignored)"""
-    local_batch_size: Optional[int] = None
-    """derived: local_mini_batch_size x nminibatches, episodes per process and update (a value given is ignored)"""
-    mini_batch_size: Optional[int] = None
-    """derived: local_mini_batch_size x world_size (a value given here is ignored)"""
-    batch_size: Optional[int] = None
-    """derived: local_batch_size x world_size, episodes per update, the paper's 512 (a value given is ignored)"""
-    num_updates: Optional[int] = None
-    """derived: total_episodes // batch_size (a value given here is ignored)"""
+    # filled in at run time, not flags: a value given for one would be overwritten without a word
+    world_size: tyro.conf.Suppress[Optional[int]] = None
+    """derived: the number of processes"""
+    local_mini_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """derived: local_micro_batch_size x gradient_accumulation_steps"""
+    local_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """derived: local_mini_batch_size x nminibatches, episodes per process and update"""
+    mini_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """derived: local_mini_batch_size x world_size"""
+    batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """derived: local_batch_size x world_size, episodes per update, the paper's 512"""
+    num_updates: tyro.conf.Suppress[Optional[int]] = None
+    """derived: total_episodes // batch_size"""
 
 
 QUERY_COLUMNS = ("query_token", "reference_response_token")

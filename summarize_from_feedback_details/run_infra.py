@@ -52,6 +52,7 @@ import subprocess
 import sys
 import time
 import typing
+import warnings
 from dataclasses import asdict
 from typing import Optional
 
@@ -235,6 +236,14 @@ def quantization(args, device: torch.device) -> dict:
             "device_map": {"": device}}
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """peft reads transformers' deprecated `is_gradient_checkpointing`: a FutureWarning in every LoRA run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def with_lora(model, args, head: Optional[str] = None):
     """`model` with the LoRA adapters of --use_peft, base weights frozen. "all-linear" adapts every
     linear layer but the LM head; `head` (a reward model's or critic's `score`) trains in full: peft
@@ -256,7 +265,8 @@ def with_lora(model, args, head: Optional[str] = None):
                         target_modules="all-linear" if targets == ["all-linear"] else targets,
                         modules_to_save=[head] if head else None)
     try:
-        return get_peft_model(model, config)
+        with quiet_peft():
+            return get_peft_model(model, config)
     except ValueError as e:  # peft's message names none of the modules that do exist
         linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                          if isinstance(module, torch.nn.Linear)})
@@ -279,7 +289,8 @@ def merged_model(model, load_base):
     on weights of std 0.02. `model` is untouched (peft's merge_and_unload rewrites its model)."""
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
-    full = get_peft_model(load_base(), model.peft_config["default"])
+    with quiet_peft():
+        full = get_peft_model(load_base(), model.peft_config["default"])
     set_peft_model_state_dict(full, get_peft_model_state_dict(model))
     return full.merge_and_unload()
 

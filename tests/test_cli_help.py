@@ -161,3 +161,20 @@ def test_every_foreign_flag_leads_to_a_flag_that_exists():
             assert any(target in stage_flags for stage_flags in flags.values()), (name, target)
         assert not all(name in stage_flags for stage_flags in flags.values()), f"--{name} is a flag of every stage"
     assert {"lr", "nminibatches", "ppo.kl_coef", "ppo.noptepochs", "on_nonfinite"} <= flags["ppo_left_padding"]
+
+
+@pytest.mark.parametrize("stage", TRAINING_STAGES)
+def test_fields_derived_at_run_time_are_not_flags(stage, capsys):
+    """PPO's batch_size, num_updates, world_size, ...: derived from other flags and overwritten, so a
+    value given for one would vanish without a word. They are not flags: tyro refuses them (exit 2)."""
+    args_class = STAGES[stage].Args
+    derived = [f for f in ("world_size", "local_batch_size", "num_updates") if hasattr(args_class(), f)]
+    derived += ["batch_size", "mini_batch_size", "local_mini_batch_size"] if stage == "ppo_left_padding" else []
+    helps = flag_helps(args_class)
+    for name in derived:
+        assert f"--{name}" not in helps and f"--{name.replace('_', '-')}" not in helps
+        with pytest.raises(SystemExit) as refused:
+            run_infra.parse_args(args_class, args=[f"--{name}", "512"])
+        assert refused.value.code == 2 and "Unrecognized" in capsys.readouterr().err
+    if stage != "ppo_left_padding":  # (sft/reward/dpo take the global batch and derive the accumulation)
+        assert run_infra.parse_args(args_class, args=["--batch_size", "64"]).batch_size == 64
