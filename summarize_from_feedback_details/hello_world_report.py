@@ -19,6 +19,7 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 from summarize_from_feedback_details.synthetic_tldr import gold_preference, reward_gold_agreement
 
@@ -129,6 +130,7 @@ def collect(args: Args) -> list:
 
 
 def main(args: Args) -> None:
+    transformers_logging.disable_progress_bar()  # (a load bar in the middle of the summary)
     table = Table(title="embedded default: results")
     table.add_column("metric")
     table.add_column("value", justify="right", overflow="fold")

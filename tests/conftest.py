@@ -125,6 +125,23 @@ def run_script(cmd: list, cwd, **env) -> subprocess.CompletedProcess:
     return result
 
 
+def command_line_flags(args) -> list:
+    """The command line of a stage's `args`: its flags whose values differ from the defaults. Fields
+    derived at run time are not flags (tyro.conf.Suppress), though a run fills them in."""
+    import typing
+
+    import tyro
+
+    suppressed = typing.get_args(tyro.conf.Suppress[int])[1:]
+    hints, default = typing.get_type_hints(type(args), include_extras=True), type(args)()
+    out = []
+    for key, value in vars(args).items():
+        if getattr(default, key) == value or any(m in suppressed for m in typing.get_args(hints[key])[1:]):
+            continue
+        out.append(f"--{key}" if value is True else f"--no_{key}" if value is False else f"--{key}={value}")
+    return out
+
+
 def run_in_process(main, args, workdir) -> None:
     """A stage's `main(args)` in this process, run from `workdir` (its runs/ folder lands there)."""
     cwd = os.getcwd()

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import pytest
 import tyro
 
-from summarize_from_feedback_details import (dpo, ppo_left_padding, reward, run_infra, sft, synthetic_tldr,
-                                             tiny_models)
+from summarize_from_feedback_details import (dpo, online_dpo, ppo_left_padding, reward, rloo, run_infra, sft,
+                                             synthetic_tldr, tiny_models)
 
-STAGES = {"sft": sft, "reward": reward, "dpo": dpo, "ppo_left_padding": ppo_left_padding,
-          "tiny_models": tiny_models, "synthetic_tldr": synthetic_tldr}
-TRAINING_STAGES = ("sft", "reward", "dpo", "ppo_left_padding")
+STAGES = {"sft": sft, "reward": reward, "dpo": dpo, "ppo_left_padding": ppo_left_padding, "rloo": rloo,
+          "online_dpo": online_dpo, "tiny_models": tiny_models, "synthetic_tldr": synthetic_tldr}
+TRAINING_STAGES = ("sft", "reward", "dpo", "ppo_left_padding", "rloo", "online_dpo")
+DERIVING_THE_BATCH = ("ppo_left_padding", "rloo", "online_dpo")  # (batch_size is derived, not a flag)
 
 
 def flag_helps(args_class) -> dict:
@@ -126,6 +127,10 @@ def test_training_stages_parse_their_command_line_with_parse_args(stage):
     ("reward", ["--model_name_or_path", "m"], "here it is --sft_model_path"),
     ("reward", ["--dataset_name", "d"], "here it is --label_dataset"),
     ("dpo", ["--loss_type", "ipo"], "here it is --ipo"),
+    ("rloo", ["--beta", "0.05"], "here it is --kl_coef"),
+    ("rloo", ["--num_generations", "4"], "here it is --rloo_k"),
+    ("rloo", ["--loss_type", "dr_grpo"], "here it is --grpo_loss"),
+    ("rloo", ["--num_ppo_epochs", "2"], "here it is --noptepochs"),
     ("dpo", ["--lr_scheduler_type", "linear"], "here it is --scheduler"),
 ])
 def test_foreign_flags_stop_with_our_name(stage, argv, suggestion, capsys):
@@ -169,12 +174,13 @@ def test_fields_derived_at_run_time_are_not_flags(stage, capsys):
     value given for one would vanish without a word. They are not flags: tyro refuses them (exit 2)."""
     args_class = STAGES[stage].Args
     derived = [f for f in ("world_size", "local_batch_size", "num_updates") if hasattr(args_class(), f)]
-    derived += ["batch_size", "mini_batch_size", "local_mini_batch_size"] if stage == "ppo_left_padding" else []
+    derived += [f for f in ("batch_size", "mini_batch_size", "local_mini_batch_size") if hasattr(args_class(), f)
+                and stage in DERIVING_THE_BATCH]
     helps = flag_helps(args_class)
     for name in derived:
         assert f"--{name}" not in helps and f"--{name.replace('_', '-')}" not in helps
         with pytest.raises(SystemExit) as refused:
             run_infra.parse_args(args_class, args=[f"--{name}", "512"])
         assert refused.value.code == 2 and "Unrecognized" in capsys.readouterr().err
-    if stage != "ppo_left_padding":  # (sft/reward/dpo take the global batch and derive the accumulation)
+    if stage not in DERIVING_THE_BATCH:  # (sft/reward/dpo take the global batch, derive the accumulation)
         assert run_infra.parse_args(args_class, args=["--batch_size", "64"]).batch_size == 64

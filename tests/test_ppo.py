@@ -17,8 +17,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           GPT2ForSequenceClassification, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
                           GPTNeoXForSequenceClassification)
 
-from conftest import (accelerate_launcher, is_wall_clock, run_in_process, run_script, run_until_signalled,
-                      signal_on_call, without_rates)
+from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, run_in_process, run_script,
+                      run_until_signalled, signal_on_call, without_rates)
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import reward, rollout, run_infra, sft
 
@@ -624,14 +624,10 @@ def run_ppo(args: ppo.Args, workdir) -> list:
 
 def flags(args: ppo.Args) -> list:
     """The command line of `args` (the fields that differ from the defaults)."""
-    default, out = ppo.Args(), []
-    for key, value in vars(args).items():
-        if key == "ppo":
-            out += [f"--ppo.{k}" if v is True else f"--ppo.no_{k}" if v is False else f"--ppo.{k}={v}"
-                    for k, v in vars(value).items() if getattr(default.ppo, k) != v]
-        elif getattr(default, key) != value:
-            out += [f"--{key}" if value is True else f"--no_{key}" if value is False else f"--{key}={value}"]
-    return out
+    default = ppo.Args()
+    return [f"--ppo.{k}" if v is True else f"--ppo.no_{k}" if v is False else f"--ppo.{k}={v}"
+            for k, v in vars(args.ppo).items() if getattr(default.ppo, k) != v] + command_line_flags(
+        ppo.Args(**{**vars(args), "ppo": default.ppo}))
 
 
 def command(args: ppo.Args, num_processes: int, config=None) -> list:

@@ -14,16 +14,20 @@ from summarize_from_feedback_details import dpo, ppo_left_padding, reward, run_i
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "summarize_from_feedback_details"
-STAGES = ("sft", "reward", "dpo", "ppo_left_padding")
+STAGES = ("sft", "reward", "dpo", "ppo_left_padding", "rloo", "online_dpo")
 SHARED = ("run_infra", "rollout")
 # lines of the file / of main() (DESIGN.md section 1); PPO's update loop stays in main(), <= 160 lines
-BUDGETS = {"sft": (500, 150), "reward": (600, 150), "dpo": (600, 150), "ppo_left_padding": (950, 230)}
+BUDGETS = {"sft": (500, 150), "reward": (600, 150), "dpo": (600, 150), "ppo_left_padding": (950, 230),
+           "rloo": (950, 230), "online_dpo": (800, 200)}
 PPO_LOOP_BUDGET = 160
 # the small algorithm helpers that stay copied in each stage that uses them (what can change a result
 # stays in the stage); the identity tests in test_reward.py, test_dpo.py and test_ppo.py keep the copies equal
 COPIED_ALGORITHM_HELPERS = {"derive_batch_sizes", "epoch_permutations", "first_true_indices", "truncate_response",
                             "forward", "generation_config", "without_stop_ids", "generate", "get_reward",
-                            "pair_table", "accuracy_breakdown"}
+                            "pair_table", "accuracy_breakdown", "cycling_slice", "derived_seed",
+                            "entropy_from_logits", "gather_logprobs", "minibatch_rows", "penalize_missing_eos",
+                            "response_logits", "response_masks", "scaled_logits", "score_responses", "validate",
+                            "without_shared_padding", "dpo_losses", "implicit_rewards"}
 # names every stage defines for itself (different code under one name)
 OWN_IN_EVERY_STAGE = {"Args", "main", "evaluate"}
 # calls that build run infrastructure: a stage makes none of them itself, it calls run_infra

@@ -1,0 +1,727 @@
+"""Online DPO on TL;DR: the current policy samples two summaries per post, the reward model picks one.
+
+    accelerate launch --config_file deepspeed.yaml summarize_from_feedback_details/online_dpo.py \\
+        --base_model EleutherAI/pythia-1b-deduped --sft_model_path models/sft_model \\
+        --reward_model_path models/reward_model --local_micro_batch_size 16 --gradient_accumulation_steps 4 \\
+        --deepspeed --run_eval            # 8 GPUs: 512 episodes (256 posts x 2 samples) x 1953 updates
+    python summarize_from_feedback_details/online_dpo.py --base_model models/tiny/pythia-tiny-s \\
+        --sft_model_path <sft.py output> --reward_model_path <reward.py output> --query_dataset data/tldr/sft \\
+        --response_length 32 --total_episodes 1920 --local_micro_batch_size 16 --gradient_accumulation_steps 4 \\
+        --local_rollout_forward_batch_size 32 --local_eval_batch_size 16 --lr 1e-4 --run_eval  # tiny default, CPU
+
+Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback") with the
+reward model as the annotator: the setting of Noukhovitch et al. (Asynchronous RLHF, ICLR 2025, whose
+Pythia TL;DR code is github.com/mnoukhov/async_rlhf, `src/online_dpo_trainer.py`) and of TRL's
+OnlineDPOTrainer. Every update takes `batch_size / 2` posts from one global order (as PPO) and samples
+two responses to each from the CURRENT policy at T 0.7; the reward model scores both at their EOS
+after truncating after the EOS, a response without EOS scoring `--penalty_reward_value` (the EOS trick,
+as PPO); the higher score is chosen, the lower rejected (a tie chooses the first sample, as the Async
+RLHF code's `first_half >= second_half`). Then ONE optimizer step on the DPO loss of these pairs
+against the frozen SFT reference: with h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)) over
+the response tokens up to and including the EOS, -logsigmoid(beta h) (`--ipo`, `--label_smoothing` as
+dpo.py), summed over the pairs and divided by the global number of pairs, so micro-batch size,
+accumulation and process count never change the update.
+
+Choices, with their sources:
+- beta 0.1: the Async RLHF code's OnlineDPOConfig default (its TL;DR configs keep it) and TRL's
+  OnlineDPOConfig default (dpo.py's 0.05 is the N+ paper's offline DPO);
+- lr 3e-6 annealed linearly to lr / num_updates, T 0.7, 53 tokens: the N+ paper's PPO, and the Async
+  RLHF TL;DR configs (lr 3e-6 under TRL's linear decay stepped per update: the same schedule; T 0.7
+  from TRL's OnPolicyConfig default);
+- batch 512 episodes = 256 posts x 2 samples (the defaults on 8 processes), 1M episodes: PPO's (DESIGN
+  sections 12 and 19), so the two compare episode for episode. The Async RLHF TL;DR runs took 128
+  posts x 2 per update for 131072 posts: a global batch of 256 episodes with `--total_episodes 262144`;
+- log-probabilities of the response tokens under the SAMPLING distribution, logits / (T + 1e-7) with
+  `[PAD]` impossible, for policy and reference alike, as the Async RLHF code (and PPO here): the loss
+  trains the distribution that draws the samples, and `objective/kl` is PPO's quantity (the sequence
+  KL of the samples to the reference at the same T). TRL's OnlineDPOTrainer reads them at T 1 instead
+  (and samples at its default T 0.9);
+- the reference's log-probs come from a forward of the same micro-batch as the policy's, so before the
+  first step (and with LoRA, whose reference is the policy with its adapter disabled) h is exactly 0.
+
+Where this file differs from the Async RLHF code: each generation chunk's sampling noise is seeded from
+(seed, update, position in the global batch, sample), so one process and N draw the same responses
+(theirs: each rank's global torch stream); `[PAD]` is never sampled; statistics cover real tokens of the
+global batch (their `objective/entropy` counted -1 per position after the EOS, `num_eos_tokens` counted
+rank 0's EOS tokens, junk after the first included); one step per batch is the only choice (their
+`num_ppo_epochs` / `num_mini_batches` allowed more). The loss normalisation is theirs in effect: their
+mean per micro-batch, averaged by accelerate, is the global mean, every micro-batch holding as many pairs.
+Per update it logs PPO's `objective/` metrics (`objective/validation_score` on new held-out posts each
+update), `online_dpo/loss`, `online_dpo/accuracy` (the implicit reward beta (log pi - log ref) of the
+chosen above the rejected's, before the step), `online_dpo/{chosen,rejected}_rewards` and
+`online_dpo/score_margin` (the reward model's chosen minus rejected). `--run_eval` writes PPO's tables.
+Only the policy is saved: a plain causal LM plus tokenizer (LoRA: merged, the adapter in `adapter/`).
+"""
+
+import contextlib
+import functools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from torch.utils.data import DataLoader
+from transformers import GenerationConfig
+
+from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches
+from summarize_from_feedback_details.run_infra import (PhaseTimer, describe_frozen, enable_gradient_checkpointing,
+                                                       frozen_dtype, load_policy, load_reward_model, load_split_dataset,
+                                                       load_tokenizer, prepare_frozen, quantization, reference_policy,
+                                                       require_splits, start_run, trainable_parameters, with_lora)
+
+
+@dataclass
+class Args:
+    # common
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of the experiment: the start of the run name and, with --push_to_hub, part of the repo name"""
+    seed: int = 1
+    """global seed: query order, sampling, and each process's seeds (seed + rank * 100003)"""
+    run_name: Optional[str] = None
+    """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
+    deepspeed: bool = False
+    """assert that accelerate runs DeepSpeed (ZeRO-2 for the policy) and give it our batch sizes"""
+    offload: bool = False
+    """DeepSpeed only: the frozen reference policy and reward model as ZeRO-3 engines with their
+    parameters offloaded to CPU"""
+    run_eval: bool = False
+    """after training: generation at `eval_temperature` over validation and test, scored by the reward
+    model next to the references, saved as `<split>_table.csv` (PPO's table, which eval/ judges)"""
+    print_sample_output_freq: int = 220
+    """every this many updates (starting with the first), save the validation samples of the update as
+    `samples_<update>.csv` (0: never)"""
+
+    # optimizer
+    lr: float = 3e-6
+    """initial learning rate, annealed linearly to lr / num_updates at the last update (as PPO)"""
+    eps: float = 1e-5
+    """epsilon of Adam(W)'s denominator (the paper's 1e-5; torch's default is 1e-8)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay (the paper's runs got 0.01 silently from torch's default)"""
+    max_grad_norm: Optional[float] = None
+    """clip the global gradient norm at this value, the same way with and without DeepSpeed; unset or
+    <= 0: no clipping, as the paper's runs (DESIGN section 4)"""
+    optimizer: Literal["adamw", "adam"] = "adamw"
+    """`adamw`: decoupled weight decay; `adam`: torch's Adam, which adds --weight_decay to the gradient (L2)"""
+
+    # batch sizes, in episodes (a post and one sampled response; each post gives two): local_batch_size =
+    # local_micro_batch_size * gradient_accumulation_steps, batch_size = local_batch_size * world_size
+    gradient_accumulation_steps: int = 32
+    """micro-batches per update on each process (one optimizer step per update)"""
+    local_micro_batch_size: int = 2
+    """episodes per forward/backward on each process, an even number: the two samples of a post (the
+    chosen and the rejected) go through one forward. A memory knob: the update does not change"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's activations in the backward pass: less memory, more compute, the same update"""
+
+    # LoRA and 4-bit base weights (DESIGN.md section 18)
+    use_peft: bool = False
+    """train LoRA adapters (peft) instead of every weight. <output_dir> gets the adapter merged in
+    (plain transformers loads it) and <output_dir>/adapter the adapter alone"""
+    lora_r: int = 16
+    """rank of the LoRA adapters (the reference is the policy with its adapter disabled)"""
+    lora_alpha: float = 32.0
+    """LoRA scaling: an adapter's update is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input. The stages run without dropout (N+ detail); > 0 makes the
+    training forward differ from the reference's at the first step, so h is no longer 0 there"""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """module names to adapt (e.g. query_key_value dense); all-linear: every linear layer but the LM head"""
+    load_in_4bit: bool = False
+    """with --use_peft: the frozen base weights of the policy in 4-bit NF4 (bitsandbytes; a CUDA GPU or an
+    x86-64 CPU with AVX2; not under DeepSpeed). The saved merged model puts the adapter on the
+    full-precision base (QLoRA's usual export)"""
+    total_episodes: int = 1_000_000
+    """episodes of the whole run (PPO's budget: 1M); num_updates = this // batch_size"""
+    local_eval_batch_size: int = 2
+    """queries per process for the per-update validation score and in the final eval"""
+    local_rollout_forward_batch_size: int = 32
+    """queries per generation chunk (each sampled twice, from two seeded generators) and per reward
+    forward (of its 2 x this responses); must divide the local_batch_size / 2 queries of an update.
+    Each chunk's sampling noise is seeded by its position in the global batch, so the process count
+    does not change the samples, but this knob changes which responses are drawn (not their
+    distribution): keep it fixed when comparing runs sample for sample"""
+    local_generation_batch_size: Optional[int] = None
+    """rows per batched decode: the update's validation chunks and rollout chunks, packed whole in that
+    order (default: the validation queries plus one chunk's two samples). A memory knob: each chunk
+    samples from its own seeded generator, so it changes no sample"""
+    compile_decode: bool = True
+    """on a GPU, run the decode step under torch.compile with CUDA graphs (mode reduce-overhead) when the
+    weights are in the compute dtype; CPU runs, and autocast over fp32 weights, decode eagerly"""
+    free_decode_cache: bool = False
+    """with the compiled decode: free its static KV cache after each rollout, before the DPO step, at
+    the cost of recording the CUDA graphs again every update"""
+
+    # model and data
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    """the tokenizer (and the hub repo name with --push_to_hub)"""
+    sft_model_path: str = "models/sft_model"
+    """policy and reference policy (a causal-LM checkpoint from sft.py)"""
+    reward_model_path: str = "models/reward_model"
+    """the annotator that picks chosen and rejected (a sequence-classification checkpoint from reward.py)"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """hub name or a local `save_to_disk` folder from tldr_dataset.py (the SFT dataset)"""
+    response_length: int = 53
+    """tokens sampled per query in rollouts, validation and eval (53 for TL;DR)"""
+    truncate_token: Literal["eos"] = "eos"
+    """responses are cut after their first EOS (the only choice, as in the paper's runs)"""
+    temperature: float = 0.7
+    """rollout sampling temperature; the policy's and reference's log-probs in the loss are read at it too"""
+    eval_temperature: float = 0.01
+    """sampling temperature of the validation score and the final eval (the paper's 0.01)"""
+    penalty_reward_value: float = -1.0
+    """the score of a response without EOS (with --non_eos_penalty)"""
+    non_eos_penalty: bool = True
+    """the EOS trick: a rollout response without EOS scores --penalty_reward_value when the pair is
+    ranked (eval is unpenalised)"""
+
+    # the DPO loss (as dpo.py)
+    beta: float = 0.1
+    """inverse temperature of the implicit reward beta * (log pi - log ref) (the Async RLHF code's and TRL's 0.1)"""
+    label_smoothing: float = 0.0
+    """conservative DPO: the reward model's ranking is taken to be wrong with this probability"""
+    ipo: bool = False
+    """the IPO loss (h - 1 / (2 beta))^2 instead of DPO's"""
+
+    # checkpoints (DESIGN section 15): in `<output_dir>/checkpoints`
+    checkpoint_every: int = 0
+    """also save a checkpoint every this many updates (0: only on SIGTERM / SIGUSR1)"""
+    keep_checkpoints: int = 1
+    """the newest checkpoints to keep"""
+    resume: bool = False
+    """continue from the newest checkpoint (the same stage, seed and batch arithmetic; any process count)"""
+    accept_changed_settings: bool = False
+    """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
+    from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """what a non-finite loss, gradient norm or rollout score does: `stop` ends the run (exit 1) naming the
+    update, phase and tensor, saves no model and keeps the last checkpoint; `skip` skips that optimizer
+    step (a rollout's: its update) and counts it (`nonfinite/skipped`)"""
+
+    # tracking and output
+    track: bool = False
+    """also log to Weights & Biases (TensorBoard events and metrics.jsonl in runs/<run_name> are always written)"""
+    wandb_project_name: str = "tldr_summarize"
+    """the wandb project of --track"""
+    wandb_entity: Optional[str] = None
+    """the wandb team or user of --track (None: your default entity)"""
+    push_to_hub: bool = False
+    """upload the saved policy to <hf_entity>/<base_model>__<exp_name>__tldr, revision <run_name> (else no hub call)"""
+    hf_entity: Optional[str] = None
+    """the hub user or organisation of --push_to_hub (None: the logged-in user)"""
+    output_dir: str = "models/online_dpo_model"
+    """where the trained policy goes, with checkpoints/ inside ("" saves nothing)"""
+
+    # filled in at run time, not flags: a value given for one would be overwritten without a word
+    world_size: tyro.conf.Suppress[Optional[int]] = None
+    """derived: the number of processes"""
+    local_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """derived: local_micro_batch_size x gradient_accumulation_steps, episodes per process and update"""
+    batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """derived: local_batch_size x world_size, episodes per update (the defaults on 8 processes: 512 =
+    256 posts x 2 samples, as PPO's)"""
+    num_updates: tyro.conf.Suppress[Optional[int]] = None
+    """derived: total_episodes // batch_size"""
+
+
+QUERY_COLUMNS = ("query_token", "reference_response_token")
+# sums over this process's pairs and samples (the DPO step's, then the rollout's), reduced over
+# processes once per update (online_dpo_metrics)
+STAT_NAMES = ("loss", "correct", "chosen_rewards", "rejected_rewards", "logprobs", "kl", "scores", "score_margin",
+              "eos", "response_length")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers (pure functions; tests import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def derive_batch_sizes(args: Args, world_size: int) -> None:
+    """Fills the derived batch fields; inexact divisions are errors."""
+    for name in ("local_micro_batch_size", "gradient_accumulation_steps", "local_eval_batch_size",
+                 "local_rollout_forward_batch_size", "total_episodes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.local_micro_batch_size % 2:
+        raise ValueError(f"--local_micro_batch_size {args.local_micro_batch_size} must be even: a micro-batch "
+                         "holds both samples of each of its queries")
+    args.world_size = world_size
+    args.local_batch_size = args.local_micro_batch_size * args.gradient_accumulation_steps
+    args.batch_size = args.local_batch_size * world_size
+    if args.local_generation_batch_size is None:
+        args.local_generation_batch_size = args.local_eval_batch_size + 2 * args.local_rollout_forward_batch_size
+    if args.local_generation_batch_size < 1:
+        raise ValueError(f"--local_generation_batch_size must be >= 1, got {args.local_generation_batch_size}")
+    if (args.local_batch_size // 2) % args.local_rollout_forward_batch_size:
+        raise ValueError(f"the {args.local_batch_size // 2} queries of local_batch_size {args.local_batch_size} are "
+                         f"not divisible by --local_rollout_forward_batch_size {args.local_rollout_forward_batch_size}")
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        raise ValueError(f"total_episodes {args.total_episodes} < batch_size {args.batch_size}: no update possible")
+
+
+def check_loss_args(args: Args) -> None:
+    """Stops on loss settings that cannot work, before any model is loaded."""
+    if args.beta <= 0:
+        raise ValueError(f"--beta must be > 0, got {args.beta}")
+    if not 0 <= args.label_smoothing < 0.5:
+        raise ValueError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
+
+
+def epoch_permutations(n: int, epochs: int, seed: int) -> list:
+    """A fresh permutation of range(n) per epoch, from the global seed only (identical on all ranks)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [i for _ in range(epochs) for i in torch.randperm(n, generator=generator).tolist()]
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Index of the first True of each row, or the row length when there is none."""
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:
+    """Tokens strictly after the first EOS become pad; the EOS itself stays."""
+    eos_index = first_true_indices(responses == eos_id).unsqueeze(-1)
+    after = torch.arange(responses.shape[1], device=responses.device).view(1, -1) > eos_index
+    return torch.masked_fill(responses, after, pad_id)
+
+
+def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0):
+    """Pad ids become a valid id and are masked out; positions count real tokens only (so left
+    padding changes nothing, also for models with absolute positions). No KV cache: nothing
+    generates from this pass, and a cache would hold every layer's keys and values.
+    `logits_to_keep` N > 0: logits of the last N positions only (the LM head runs on those alone)."""
+    attention_mask = input_ids != pad_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
+                 position_ids=position_ids, use_cache=False, logits_to_keep=logits_to_keep, return_dict=True)
+
+
+def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
+    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` can never
+    be sampled (its logit is suppressed)."""
+    return GenerationConfig(
+        max_new_tokens=response_length, min_new_tokens=response_length, temperature=temperature + 1e-7,
+        top_k=0, top_p=1.0, do_sample=True, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+        suppress_tokens=[pad_id],
+    )
+
+
+@contextlib.contextmanager
+def without_stop_ids(model):
+    """generate() fills unset fields from the model's own generation config: an EOS id there would
+    make min_new_tokens suppress EOS at every step, so the policy could never emit it. Cleared for
+    the call only, so a saved model's plain generate() still stops at EOS."""
+    saved = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = saved
+
+
+@torch.no_grad()
+def generate(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig) -> torch.Tensor:
+    """Left-padded queries -> responses of exactly max_new_tokens tokens."""
+    attention_mask = queries != pad_id
+    with without_stop_ids(model):
+        output = model.generate(input_ids=torch.masked_fill(queries, ~attention_mask, 0),
+                                attention_mask=attention_mask, generation_config=config)
+    responses = output[:, queries.shape[1]:]
+    assert responses.shape[1] == config.max_new_tokens, "generation stopped early"
+    return responses
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int) -> torch.Tensor:
+    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` impossible, the
+    same operations HF's temperature and suppress-tokens processors apply in generation. The
+    lowest float instead of -inf gives the same softmax and keeps the entropy finite."""
+    logits = logits.float() / (temperature + 1e-7)
+    is_pad = torch.arange(logits.shape[-1], device=logits.device) == pad_id
+    return logits.masked_fill(is_pad, torch.finfo(logits.dtype).min)
+
+
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def without_shared_padding(query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """The batch without its leading columns that are padding in every row: they are masked out of
+    attention and do not count in positions, so computing them changes nothing but the time."""
+    first_real_column = (query_responses != pad_id).any(0).int().argmax()
+    return query_responses[:, first_real_column:]
+
+
+def response_logits(model, query_responses: torch.Tensor, pad_id: int, response_length: int) -> torch.Tensor:
+    """The logits that predict the response tokens, [batch, response_length, vocab]: the LM head
+    runs on those positions only (at a 50k vocabulary, the largest matrix of a small model), and
+    padding shared by every row is not computed."""
+    query_responses = without_shared_padding(query_responses, pad_id)
+    return forward(model, query_responses, pad_id, logits_to_keep=response_length + 1).logits[:, :-1]
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Reward of each row, read at its last non-pad token (the EOS), shape [batch].
+
+    Pad tokens are masked out of attention and positions count real tokens only, so the amount of
+    left or right padding changes nothing, also for models with absolute positions. Unlike the
+    causal-LM `forward` of sft.py, pad ids are NOT replaced by 0 here: HF's sequence-classification
+    head finds the token to read by looking for `config.pad_token_id`, and [PAD] is a valid row of
+    the (resized) embedding whose value is masked out anyway."""
+    attention_mask = query_responses != pad_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    output = model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False, return_dict=True)
+    return output.logits.squeeze(-1)
+
+
+def penalize_missing_eos(scores: torch.Tensor, postprocessed_responses: torch.Tensor, eos_id: int,
+                         penalty: float) -> torch.Tensor:
+    """The EOS trick: a response that never ends gets `penalty` instead of its reward-model score."""
+    contain_eos = (postprocessed_responses == eos_id).any(-1)
+    return torch.where(contain_eos, scores, torch.full_like(scores, penalty))
+
+
+def chosen_samples(scores: torch.Tensor) -> torch.Tensor:
+    """Which of each query's two samples is chosen (0 or 1), from their scores [queries, 2] (EOS penalty
+    applied): the higher one; a tie chooses the first, as the Async RLHF code (`first_half >= second_half`)."""
+    return (scores[:, 1] > scores[:, 0]).long()
+
+
+def response_logprob_sums(model, query_responses: torch.Tensor, responses: torch.Tensor, temperature: float,
+                          eos_id: int, pad_id: int) -> torch.Tensor:
+    """Each row's log-probability of its response under `model` at `temperature` (`scaled_logits`): summed
+    over the tokens up to and including the first EOS (every token where there is none), as DPO sums
+    over the response and EOS of a preference pair."""
+    logits = response_logits(model, query_responses, pad_id, responses.shape[1])
+    return masked_sums(gather_logprobs(scaled_logits(logits, temperature, pad_id), responses), responses, eos_id)
+
+
+def masked_sums(values: torch.Tensor, responses: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Per-token `values` [rows, response_length] summed over each response's real tokens: up to and
+    including its first EOS, all of them without one (entries after the EOS are dropped, not
+    multiplied by 0). The sequence KL of the samples is masked_sums(logprob - ref_logprob)."""
+    eos_index = first_true_indices(responses == eos_id)  # (the row length where there is none)
+    after_eos = torch.arange(responses.shape[1], device=responses.device) > eos_index[:, None]
+    return values.masked_fill(after_eos, 0).sum(1)
+
+
+def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+               ref_rejected: torch.Tensor, beta: float, label_smoothing: float, ipo: bool) -> torch.Tensor:
+    """Per-pair losses from summed log-probs, with h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)):
+    DPO -logsigmoid(beta h) (1 - ls) - logsigmoid(-beta h) ls; IPO (h - 1 / (2 beta))^2."""
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if ipo:
+        return (h - 1 / (2 * beta)) ** 2
+    return -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
+
+
+def implicit_rewards(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO's implicit reward of a response, beta * (log pi - log ref): what the policy learned to prefer."""
+    return beta * (policy_logprobs - ref_logprobs)
+
+
+def cycling_slice(order: list, start: int, size: int) -> list:
+    """`size` entries of `order` from `start`, wrapping around: the per-update validation queries
+    walk through the whole split instead of repeating its first batch."""
+    return [order[(start + i) % len(order)] for i in range(size)]
+
+
+def derived_seed(*numbers: int) -> int:
+    """A seed that depends only on the given integers (no per-rank state, no Python hash salt)."""
+    seed = 0
+    for n in numbers:
+        seed = (seed * 1_000_003 + int(n)) % (2 ** 61 - 1)
+    return seed
+
+
+def load_online_dpo_models(run, tokenizer) -> tuple:
+    """Policy and reference from the SFT checkpoint, the reward model from reward.py's. The policy in
+    fp32 master weights (a 4-bit NF4 base under --load_in_4bit), the frozen ones in the mixed-precision
+    dtype; with --use_peft the reference is the policy with its adapter disabled (None: no second copy)."""
+    args, accelerator = run.args, run.accelerator
+    policy = load_policy(args.sft_model_path, tokenizer, **quantization(args, accelerator.device))
+    reward_model = load_reward_model(args.reward_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
+    if args.use_peft:
+        policy, ref_policy = with_lora(policy, args), None
+    else:
+        ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(policy)
+    run.print(f"policy: {trainable_parameters(policy)}")
+    return policy, ref_policy, reward_model
+
+
+def online_dpo_metrics(accelerator, stats: torch.Tensor, batch_size: int) -> dict:
+    """The objective/ and online_dpo/ metrics of an update from this process's sums `stats`
+    (STAT_NAMES), reduced over processes: means over the global batch's samples or pairs."""
+    stat = dict(zip(STAT_NAMES, accelerator.reduce(stats, "sum").tolist()))
+    pairs = batch_size // 2
+    return {
+        "objective/kl": stat["kl"] / batch_size,  # the mean sequence KL (k1) of the samples to the reference
+        "objective/entropy": -stat["logprobs"] / batch_size,  # estimated: -log pi of the sampled tokens, summed
+        "objective/scores": stat["scores"] / batch_size,
+        "online_dpo/loss": stat["loss"],  # (each pair's share is already divided by the global pairs)
+        "online_dpo/accuracy": stat["correct"] / pairs,
+        "online_dpo/chosen_rewards": stat["chosen_rewards"] / pairs,
+        "online_dpo/rejected_rewards": stat["rejected_rewards"] / pairs,
+        "online_dpo/score_margin": stat["score_margin"] / pairs,
+        "ppo/val/num_eos_tokens": stat["eos"],  # responses that end (with the EOS), over all processes
+        "ppo/val/response_length": stat["response_length"] / batch_size,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation (PPO's)
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def score_responses(accelerator: Accelerator, reward_model, tokenizer, queries: torch.Tensor, responses: torch.Tensor,
+                    references: torch.Tensor) -> tuple:
+    """`responses` to `queries` truncated after EOS, their reward-model scores (no EOS penalty, as the
+    paper's eval) and the scores of the reference responses; returns (rows, scores, reference_scores)."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    responses = truncate_response(responses, eos_id, pad_id)
+    with torch.no_grad(), accelerator.autocast():
+        scores = get_reward(reward_model, torch.cat([queries, responses], 1), pad_id).float()
+        reference_scores = get_reward(reward_model, torch.cat([queries, references], 1), pad_id).float()
+    rows = [
+        {"query": q, "postprocessed_response": r, "reference_responses": ref, "scores": s, "reference_scores": rs}
+        for q, r, ref, s, rs in zip(
+            tokenizer.batch_decode(queries, skip_special_tokens=True),
+            tokenizer.batch_decode(responses, skip_special_tokens=True),
+            tokenizer.batch_decode(references, skip_special_tokens=True),
+            scores.tolist(), reference_scores.tolist(),
+        )
+    ]
+    return rows, scores, reference_scores
+
+
+def evaluate(accelerator: Accelerator, policy, reward_model, tokenizer, dataloader, gen_config) -> tuple:
+    """The whole split, gathered without the duplicates that sharding pads the last batch with."""
+    rows = []
+    for batch in dataloader:
+        with accelerator.autocast():
+            responses = generate(policy, batch["query_token"], tokenizer.pad_token_id, gen_config)
+        local_rows, _, _ = score_responses(accelerator, reward_model, tokenizer, batch["query_token"], responses,
+                                           batch["reference_response_token"])
+        rows += accelerator.gather_for_metrics(local_rows, use_gather_object=True)
+    table = pd.DataFrame(rows, columns=["query", "postprocessed_response", "reference_responses", "scores",
+                                        "reference_scores"])
+    metrics = {"scores": float(table["scores"].mean()), "reference_scores": float(table["reference_scores"].mean()),
+               "rm_win_rate": float((table["scores"] > table["reference_scores"]).mean())}
+    return metrics, table
+
+
+def validate(run, reward_model, tokenizer, validation_batch: dict, generated: list, logger, update: int) -> float:
+    """The reward model's mean score, over all processes, of the policy's responses (`generated`,
+    from the batched decode) to this update's validation queries; every `print_sample_output_freq`
+    updates they are saved as `samples_<update>.csv` (full slices on every rank: nothing to
+    de-duplicate, and no dataloader state involved)."""
+    sample_rows, scores, _ = score_responses(run.accelerator, reward_model, tokenizer, validation_batch["query_token"],
+                                             torch.cat([response for response, _ in generated]),
+                                             validation_batch["reference_response_token"])
+    freq = run.args.print_sample_output_freq
+    if freq and (update - 1) % freq == 0:
+        table = pd.DataFrame(gather_object(sample_rows))
+        logger.table(f"samples_{update}", table)
+        run.print(f"update {update}: {table.iloc[0]['postprocessed_response']!r} (score {table.iloc[0]['scores']:.3f})")
+    return run.accelerator.gather(scores).mean().item()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    dataset = load_split_dataset(args.query_dataset, QUERY_COLUMNS)
+    require_splits(dataset, args.query_dataset, ("train", "validation"), "online DPO")
+    derive_batch_sizes(args, int(os.environ.get("WORLD_SIZE", "1")))
+    check_loss_args(args)
+    # a checkpoint continues on any process count, for the same stage, seed and batch arithmetic
+    # (and rollout chunk, which fixes where each chunk's sampling noise comes from)
+    run = start_run(args, {"stage": "online_dpo", "seed": args.seed, "batch_size": args.batch_size,
+                           "total_episodes": args.total_episodes, "num_updates": args.num_updates,
+                           "local_rollout_forward_batch_size": args.local_rollout_forward_batch_size},
+                    generates=True)
+    accelerator, start_update = run.accelerator, run.start_update
+    run.print_batch_arithmetic("episodes", f"{args.batch_size // 2} queries x 2 samples",
+                               f"{'IPO' if args.ipo else 'DPO'} loss, beta {args.beta}, label smoothing "
+                               f"{args.label_smoothing}", f"offload {args.offload}")
+
+    tokenizer = load_tokenizer(args.base_model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model, ref_policy, reward_model = load_online_dpo_models(run, tokenizer)
+    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
+                                weight_decay=args.weight_decay)
+
+    # One explicit query order for every rank and world size; accelerate hands rank r the local
+    # batches r, r + world_size, ..., so the queries of update k are always order[k * Q : (k + 1) * Q]
+    # (Q = batch_size / 2). More queries than the split holds: reshuffled passes.
+    queries_per_update, local_queries = args.batch_size // 2, args.local_batch_size // 2
+    train = dataset["train"].with_format("torch", columns=["query_token"])
+    order = epoch_permutations(len(train), -(-args.total_episodes // (2 * len(train))), args.seed)
+    order = order[start_update * queries_per_update:]  # a resumed run starts at its first unseen queries
+    # its own generator: each iterator over a DataLoader draws a seed from it, which would otherwise
+    # come from the global torch stream and shift it in a resumed run (it restores that stream)
+    train_loader = DataLoader(train, batch_size=local_queries, sampler=order, drop_last=True,
+                              generator=torch.Generator())
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    ref_policy = prepare_frozen(ref_policy, args, accelerator)
+    reward_model = prepare_frozen(reward_model, args, accelerator)
+    unwrapped = accelerator.unwrap_model(model)
+    compiled_step = compiled_step_for(unwrapped, args.compile_decode, accelerator.device, accelerator.native_amp,
+                                      run.print, keep_caches=not args.free_decode_cache)
+    # per-update validation as PPO: rank r takes its r-th slice of a new global slice every update
+    validation = dataset["validation"].with_format("torch", columns=list(QUERY_COLUMNS))
+    validation_order = torch.randperm(len(validation), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    eval_loaders = {s: accelerator.prepare(DataLoader(dataset[s].with_format("torch", columns=list(QUERY_COLUMNS)),
+                                                      batch_size=args.local_eval_batch_size))
+                    for s in ("validation", "test") if s in dataset and args.run_eval}
+    eval_config = generation_config(args.response_length, args.eval_temperature, pad_id)
+    checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [])
+    run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}",
+              soft_wrap=True)
+    device = accelerator.device
+    temperature, fwd_batch = args.temperature, args.local_rollout_forward_batch_size
+    pairs_per_micro = args.local_micro_batch_size // 2  # (a micro-batch holds both samples of its queries)
+    ga, num_processes, rank = args.gradient_accumulation_steps, accelerator.num_processes, accelerator.process_index
+
+    # Dropout is off in every model; the mode only switches gradient checkpointing: eval for the
+    # rollouts, train for the step.
+    iter_loader = iter(train_loader)
+    start = time.time()
+    for update in run.progress(range(start_update + 1, args.num_updates + 1), args.num_updates - start_update,
+                               "online_dpo", ("online_dpo/loss", "objective/scores")):
+        data = next(iter_loader)
+        timer = PhaseTimer(device)  # time/ and throughput/ metrics: seconds of this update by phase (rank 0's)
+        # linear annealing from lr (first update) to lr / num_updates (last update), as PPO
+        lr_now = (1.0 - (update - 1.0) / args.num_updates) * args.lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr_now
+
+        model.eval()
+        # this update's held-out validation queries (rank r takes its r-th slice: new ones each update)
+        rows = cycling_slice(validation_order, (update - 1) * args.local_eval_batch_size * num_processes
+                             + rank * args.local_eval_batch_size, args.local_eval_batch_size)
+        validation_batch = {k: v.to(device) for k, v in validation[rows].items()}
+        queries = data["query_token"]
+
+        # ---- generation: the validation chunks, then two samples of every rollout chunk --------
+        # each sample's noise depends on its chunk's position in the global batch and the sample
+        # index only, so a query's two samples come from the same rank on any process count
+        validation_groups = [
+            SamplingGroup(validation_batch["query_token"][i: i + fwd_batch], args.eval_temperature,
+                          derived_seed(args.seed, 1, update, rank * args.local_eval_batch_size + i))
+            for i in range(0, args.local_eval_batch_size, fwd_batch)]
+        rollout_groups = [
+            SamplingGroup(queries[i: i + fwd_batch], temperature,
+                          derived_seed(args.seed, 0, update, rank * local_queries + i, sample))
+            for i in range(0, local_queries, fwd_batch) for sample in (0, 1)]
+        with timer("generation"), accelerator.autocast():
+            generated = decode_in_batches(unwrapped, validation_groups + rollout_groups, pad_id,
+                                          args.response_length, args.local_generation_batch_size, compiled_step)
+        validation_generated, rollout_generated = generated[:len(validation_groups)], generated[len(validation_groups):]
+
+        with timer("validation"):  # the current policy's score on the held-out queries
+            validation_score = validate(run, reward_model, tokenizer, validation_batch, validation_generated, logger,
+                                        update)
+
+        # ---- the reward model ranks each query's two samples ----------------------------------
+        # rows 2q and 2q + 1 hold query q's samples 0 and 1
+        responses = torch.cat([torch.stack([first, second], 1).flatten(0, 1)
+                               for (first, _), (second, _) in zip(rollout_generated[::2], rollout_generated[1::2])])
+        repeated_queries = queries.repeat_interleave(2, 0)
+        query_responses = torch.cat([repeated_queries, responses], 1)
+        postprocessed = truncate_response(responses, eos_id, pad_id)
+        with torch.no_grad(), timer("reward_forward"), accelerator.autocast():
+            # the reward model scores the EOS-truncated responses at their EOS, a rollout chunk at a time
+            scored = torch.cat([repeated_queries, postprocessed], 1)
+            scores = torch.cat([get_reward(reward_model, scored[i: i + 2 * fwd_batch], pad_id).float()
+                                for i in range(0, 2 * local_queries, 2 * fwd_batch)])
+        if args.non_eos_penalty:
+            scores = penalize_missing_eos(scores, postprocessed, eos_id, args.penalty_reward_value)
+        if not run.all_finite(update, "rollout", scores=scores):
+            checkpoints.after_update(update, args.run_name, logger)  # (--on_nonfinite skip: no step on it)
+            continue
+        chosen = chosen_samples(scores.view(-1, 2))
+        chosen_rows = 2 * torch.arange(local_queries, device=device) + chosen
+        rejected_rows = 2 * torch.arange(local_queries, device=device) + 1 - chosen
+        lengths = (first_true_indices(responses == eos_id) + 1).clamp(max=responses.shape[1])  # (EOS included)
+        rollout_stats = torch.stack([scores.sum(), (scores[chosen_rows] - scores[rejected_rows]).sum(),
+                                     (responses == eos_id).any(-1).sum(), lengths.sum()]).float()
+
+        # ---- ONE optimizer step on the DPO loss of the batch's pairs --------------------------
+        model.train()
+        step_stats = torch.zeros(6, device=device)
+        for micro_start in range(0, local_queries, pairs_per_micro):
+            # chosen then rejected in one forward; the reference reads the same rows in the same shape
+            micro = torch.cat([chosen_rows[micro_start: micro_start + pairs_per_micro],
+                               rejected_rows[micro_start: micro_start + pairs_per_micro]])
+            inputs = (query_responses[micro], responses[micro], temperature, eos_id, pad_id)
+            with torch.no_grad(), timer("reference_forward"), accelerator.autocast(), \
+                    reference_policy(unwrapped, ref_policy) as reference:
+                ref_chosen, ref_rejected = response_logprob_sums(reference, *inputs).chunk(2)
+            with timer("training"), accelerator.accumulate(model):
+                policy_chosen, policy_rejected = response_logprob_sums(model, *inputs).chunk(2)
+                losses = dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
+                                    args.label_smoothing, args.ipo)
+                # this micro-batch's share of the mean over the global batch of pairs
+                loss = losses.sum() / queries_per_update
+                # accelerate divides by the accumulation steps and DDP averages over ranks: undo
+                # both so the gradient is exactly that of the global-batch mean loss
+                accelerator.backward(loss * ga * num_processes)
+                run.optimizer_step(model, optimizer, update, loss)  # (clipping; --on_nonfinite)
+            with torch.no_grad():
+                chosen_rewards = implicit_rewards(policy_chosen, ref_chosen, args.beta)
+                rejected_rewards = implicit_rewards(policy_rejected, ref_rejected, args.beta)
+                policy_sums = torch.cat([policy_chosen, policy_rejected])
+                ref_sums = torch.cat([ref_chosen, ref_rejected])
+                step_stats += torch.stack([loss, (chosen_rewards > rejected_rewards).sum(), chosen_rewards.sum(),
+                                           rejected_rewards.sum(), policy_sums.sum(), (policy_sums - ref_sums).sum()])
+
+        # ---- logging ------------------------------------------------------------------------
+        metrics = {
+            **online_dpo_metrics(accelerator, torch.cat([step_stats, rollout_stats]), args.batch_size),
+            "objective/validation_score": validation_score,
+            "ppo/lr": lr_now,
+            "ppo/episode": update * args.batch_size,
+            "ppo/eps": (update - start_update) * args.batch_size / (time.time() - start),
+            # the global batch's query + response positions, and the tokens generated (the validation
+            # queries' responses come from the same decodes)
+            **timer.metrics(tokens=args.batch_size * query_responses.shape[1], generated_tokens=(
+                args.batch_size + args.local_eval_batch_size * num_processes) * responses.shape[1]),
+            **(compiled_step.counters() if compiled_step is not None else {}),
+        }
+        logger.log(metrics, update)
+        del responses, query_responses, postprocessed, scores
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        checkpoints.after_update(update, args.run_name, logger)
+
+    model.eval()
+    if args.run_eval:
+        for split, loader in eval_loaders.items():
+            eval_metrics, table = evaluate(accelerator, unwrapped, reward_model, tokenizer, run.progress(
+                loader, len(loader), f"eval {split}", stoppable=True), eval_config)
+            logger.log({f"eval/{split}/{k}": v for k, v in eval_metrics.items()}, args.num_updates)
+            logger.table(f"{split}_table", table)
+            run.print(f"{split}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+
+    # only the policy is saved: a plain causal LM, loadable offline with transformers
+    run.save(model, tokenizer, unwrapped, functools.partial(load_policy, args.sft_model_path, tokenizer))
+    run.finish(logger)
+
+
+if __name__ == "__main__":
+    from summarize_from_feedback_details.run_infra import parse_args  # tyro.cli, knowing other codebases' flags
+    main(parse_args(Args))
