@@ -98,6 +98,35 @@ def assert_throughput(lines: list, tokens_per_update: int) -> None:
         assert m["throughput/tokens_per_second"] == pytest.approx(tokens_per_update / m["time/update"], rel=1e-9)
 
 
+@pytest.fixture(scope="session")
+def checkpoints(models_dir, tmp_path_factory):
+    """(SFT, reward model) stand-ins for the online stages' tests (PPO, RLOO, online DPO). The tiny base
+    model (5 pretraining steps) almost never samples EOS, so the "SFT" is the base model with an EOS
+    bias: the final layer norm's bias gets a unit vector u and EOS's output row 0.5 u, so about half of
+    the 32-token rollouts end, at varied lengths, and the masks, the EOS penalty and the score placement
+    take part in every run. The reward model is that backbone with a seeded head, saved as reward.py
+    saves one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from summarize_from_feedback_details import reward, run_infra
+
+    base = os.path.join(models_dir, "pythia-tiny-s")
+    folder = tmp_path_factory.mktemp("online_checkpoints")
+    sft_path, rm_path = str(folder / "sft"), str(folder / "reward_model")
+    tokenizer = run_infra.load_tokenizer(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    u = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.gpt_neox.final_layer_norm.bias += 3 * u / u.norm()
+        model.get_output_embeddings().weight[tokenizer.eos_token_id] += 0.5 * u / u.norm()
+    model.save_pretrained(sft_path)
+    tokenizer.save_pretrained(sft_path)
+    reward.reward_model_to_train(sft_path, tokenizer, head_seed=1).save_pretrained(rm_path)
+    tokenizer.save_pretrained(rm_path)
+    return sft_path, rm_path
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now, for a launched run's rendezvous (torchrun's default 29500 is
     taken while any other run is up on this machine)."""

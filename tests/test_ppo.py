@@ -572,29 +572,6 @@ def test_response_logits_and_values_compute_only_the_response(tiny_datasets, mod
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def checkpoints(models_dir, tmp_path_factory):
-    """(SFT, reward model) stand-ins. The tiny base model (5 pretraining steps) almost never samples
-    EOS, so the "SFT" is the base model with an EOS bias: the final layer norm's bias gets a unit
-    vector u and EOS's output row 0.5 u, so about half of the 32-token rollouts end, at varied
-    lengths, and the masks, the EOS penalty and the score placement take part in every run. The
-    reward model is that backbone with a seeded head, saved as reward.py saves one."""
-    base = os.path.join(models_dir, "pythia-tiny-s")
-    folder = tmp_path_factory.mktemp("ppo_checkpoints")
-    sft_path, rm_path = str(folder / "sft"), str(folder / "reward_model")
-    tokenizer = run_infra.load_tokenizer(base)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    u = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model.gpt_neox.final_layer_norm.bias += 3 * u / u.norm()
-        model.get_output_embeddings().weight[EOS] += 0.5 * u / u.norm()
-    model.save_pretrained(sft_path)
-    tokenizer.save_pretrained(sft_path)
-    reward.reward_model_to_train(sft_path, tokenizer, head_seed=1).save_pretrained(rm_path)
-    tokenizer.save_pretrained(rm_path)
-    return sft_path, rm_path
-
-
 def tiny_args(tiny_datasets, checkpoints, workdir, name, **overrides) -> ppo.Args:
     data_dir, _ = tiny_datasets
     sft_path, rm_path = checkpoints

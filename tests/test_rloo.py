@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, run_in_process, run_script,
                       signal_on_call, without_rates)
 from summarize_from_feedback_details import ppo_left_padding as ppo
-from summarize_from_feedback_details import reward, rloo, rollout, run_infra
+from summarize_from_feedback_details import rloo, rollout, run_infra
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,26 +184,6 @@ def test_derive_batch_sizes():
 # ---------------------------------------------------------------------------------------------
 # runs of the script
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def checkpoints(models_dir, tmp_path_factory):
-    """(SFT, reward model) stand-ins, as test_ppo.py's fixture makes them: the tiny base model with an EOS
-    bias (about half the responses end, at varied lengths) and that backbone with a seeded score head."""
-    base = os.path.join(models_dir, "pythia-tiny-s")
-    folder = tmp_path_factory.mktemp("rloo_checkpoints")
-    sft_path, rm_path = str(folder / "sft"), str(folder / "reward_model")
-    tokenizer = run_infra.load_tokenizer(base)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    u = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model.gpt_neox.final_layer_norm.bias += 3 * u / u.norm()
-        model.get_output_embeddings().weight[EOS] += 0.5 * u / u.norm()
-    model.save_pretrained(sft_path)
-    tokenizer.save_pretrained(sft_path)
-    reward.reward_model_to_train(sft_path, tokenizer, head_seed=1).save_pretrained(rm_path)
-    tokenizer.save_pretrained(rm_path)
-    return sft_path, rm_path
 
 
 def tiny_args(tiny_datasets, checkpoints, workdir, name, **overrides) -> rloo.Args:
