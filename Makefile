@@ -48,6 +48,14 @@ clean:
 scaling: install
 	./scaling.sh
 
+# Opt-in, not part of `make test`: the methods side by side on the embedded default at equal episodes
+# (SFT, PPO, DPO, RLOO k=2 and k=4, GRPO, online DPO) at tiny-m x seeds 1 2 3, reusing make scaling's
+# SFT, reward model and PPO runs where they exist; then eval/images/compare/ (compare.sh; SIZES="m l"
+# adds tiny-l, SEEDS others).
+.PHONY: compare
+compare: install
+	./compare.sh
+
 # Opt-in, not part of `make test`: the sbatches/ chain (TINY=1) and a PPO task stopped twice,
 # requeued and resumed, on a throwaway one-node Slurm cluster started on this machine; then one task
 # over two nodes (two slurmd in network namespaces on a bridge) stopped, requeued and resumed,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole pipeline, data -> sft.py -> reward.py -> ppo_left_padding.py, and dpo.py from the same
-# SFT -> eval plots -> a results table, on whatever hardware is here.
+# SFT (ALGOS=all: RLOO, GRPO and online DPO too) -> eval plots -> a results table, on whatever
+# hardware is here.
 #
 #   ./hello_world.sh           the embedded default (synthetic TL;DR data, tiny Pythia-architecture
 #                              models) on a CPU in about 13 minutes; sets up .venv first if needed
@@ -13,9 +14,14 @@
 #   NAME=lora_hello_world PPO_FLAGS="--use_peft --lr 3e-4" ./hello_world.sh
 #                              flags of your own, last on a stage's command line (so they win):
 #                              EXTRA_FLAGS for every training stage, SFT_FLAGS (both SFT runs),
-#                              REWARD_FLAGS, PPO_FLAGS, DPO_FLAGS for one; NAME names the models/,
-#                              runs/ and plot folders (default hello_world[_<model>])
-#   DPO=0 ./hello_world.sh     without dpo.py (make scaling: the sizes x seeds sweep of scaling.sh)
+#                              REWARD_FLAGS, PPO_FLAGS, DPO_FLAGS, RLOO_FLAGS (rloo, rloo_k4, grpo),
+#                              ONLINE_DPO_FLAGS for one; NAME names the models/, runs/ and plot
+#                              folders (default hello_world[_<model>])
+#   ALGOS=all ./hello_world.sh the methods after the reward model: ALGOS lists them, default
+#                              "ppo dpo"; all = ppo dpo rloo rloo_k4 grpo online_dpo (rloo.py with
+#                              k=2, k=4 and as GRPO with k=4; online_dpo.py), each at PPO's episodes;
+#                              ALGOS=ppo is the sizes x seeds sweep of scaling.sh, ALGOS=all that of
+#                              compare.sh (make compare)
 set -euo pipefail
 # An array that may be empty is expanded as ${a[@]+"${a[@]}"}: under set -u, bash before 4.4
 # (4.2 on older login nodes) aborts on "${a[@]}" of an empty array with "a[@]: unbound variable".
@@ -66,8 +72,15 @@ PPO_ROLLOUT_FORWARD_BATCH=${PPO_ROLLOUT_FORWARD_BATCH:-64}   # rollout generatio
 EVAL_BATCH=${EVAL_BATCH:-8}
 PPO_OFFLOAD=${PPO_OFFLOAD:-0}    # 1: the frozen reference and reward model live in CPU memory (6.9b)
 TRACK=${TRACK:-0}                # 1: log to wandb as well (WANDB_MODE=offline keeps it local)
-DPO=${DPO:-1}                    # 0: no dpo.py
-[[ $DPO == 0 || $DPO == 1 ]] || { echo "DPO must be 0 or 1, got '$DPO'" >&2; exit 2; }
+ALL_ALGOS="ppo dpo rloo rloo_k4 grpo online_dpo"
+ALGOS=${ALGOS:-ppo dpo}
+[[ $ALGOS == all ]] && ALGOS=$ALL_ALGOS
+read -ra algos <<<"$ALGOS"
+for algo in ${algos[@]+"${algos[@]}"}; do
+    [[ " $ALL_ALGOS " == *" $algo "* ]] || { echo "ALGOS: '$algo' is none of: $ALL_ALGOS (or all)" >&2; exit 2; }
+done
+# wanted ALGO: whether ALGOS lists it
+wanted() { [[ " ${algos[*]+"${algos[*]}"} " == *" $1 "* ]]; }
 # The win-rate judge of real runs: OPENAI_API_KEY (with OPENAI_BASE_URL for another
 # OpenAI-compatible server) and JUDGE_MODEL (gpt-3.5-turbo-0125, the paper's); none: no win rates.
 
@@ -90,10 +103,12 @@ TINY_LENGTHS=(
 
 if [[ $MODEL == "$BASE_MODELS_DIR"/* ]]; then
     TINY=1
+    NUM_PROCESSES=1               # one CPU process
     NAME=${NAME:-hello_world}     # models/$NAME/<stage>, runs/${NAME}_<stage>
     DATASET_DIR=data/tldr         # tokenized sft/ and preference/ datasets
 else
     TINY=0
+    NUM_PROCESSES=$NUM_GPUS
     NAME=${NAME:-hello_world_$(basename "$MODEL")}
     DATASET_DIR=data/$(basename "$MODEL")
     if [[ $DATA_ONLY == 1 ]]; then
@@ -146,7 +161,9 @@ run_training() {
         sft*) own=${SFT_FLAGS:-} ;;
         reward) own=${REWARD_FLAGS:-} ;;
         ppo) own=${PPO_FLAGS:-} ;;
-        *) own=${DPO_FLAGS:-} ;;
+        dpo) own=${DPO_FLAGS:-} ;;
+        online_dpo) own=${ONLINE_DPO_FLAGS:-} ;;
+        *) own=${RLOO_FLAGS:-} ;;
     esac
     local extra=()
     read -ra extra <<<"${EXTRA_FLAGS:-} $own"
@@ -168,6 +185,35 @@ accumulation() {
         exit 2
     fi
     echo $(($1 / ($2 * NUM_GPUS)))
+}
+# The critic-free and online-preference methods of ALGOS on rloo.py and online_dpo.py: each variant
+# its own run folder, model folder and exp_name (eval/ tells the methods apart by it).
+# online_method ALGO: its script, samples per query, and flags of its own
+online_method() {
+    case $1 in
+        rloo) echo "rloo.py 2" ;;
+        rloo_k4) echo "rloo.py 4 --rloo_k 4 --exp_name rloo_k4" ;;
+        grpo) echo "rloo.py 4 --algorithm grpo --rloo_k 4 --exp_name grpo" ;;
+        online_dpo) echo "online_dpo.py 2" ;;
+    esac
+}
+# run_online_methods EPISODES_PER_UPDATE ROLLOUT_QUERIES FLAGS...: every method of ALGOS but ppo and
+# dpo with FLAGS, generating min(ROLLOUT_QUERIES, the process's queries) queries per chunk
+run_online_methods() {
+    local episodes=$1 rollout=$2 algo script k own chunk
+    shift 2
+    for algo in rloo rloo_k4 grpo online_dpo; do
+        wanted $algo || continue
+        read -r script k own <<<"$(online_method $algo)"
+        read -ra own <<<"$own"
+        chunk=$((episodes / NUM_PROCESSES / k))
+        ((rollout < chunk)) && chunk=$rollout
+        run_stage "$script ($algo)" $OUT_DIR/$algo/model.safetensors \
+            run_training $algo $script --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
+                --reward_model_path $OUT_DIR/reward_model --query_dataset $DATASET_DIR/sft \
+                --output_dir $OUT_DIR/$algo --local_rollout_forward_batch_size $chunk \
+                ${own[@]+"${own[@]}"} "$@"
+    done
 }
 
 if [[ $TINY == 1 ]]; then
@@ -204,7 +250,7 @@ if [[ $TINY == 1 ]]; then
             --gradient_accumulation_steps 1 --local_eval_batch_size 100
     # PPO_UPDATES updates of 64 rollouts, otherwise the paper's settings. The longest reference
     # summary of the tiny default is 24 tokens, hence 32 new tokens instead of 53.
-    run_stage "ppo_left_padding.py" $OUT_DIR/ppo/model.safetensors \
+    ! wanted ppo || run_stage "ppo_left_padding.py" $OUT_DIR/ppo/model.safetensors \
         run_training ppo ppo_left_padding.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
             --reward_model_path $OUT_DIR/reward_model --query_dataset $DATASET_DIR/sft \
             --output_dir $OUT_DIR/ppo --lr 1e-4 --total_episodes $((PPO_UPDATES * 64)) \
@@ -213,11 +259,16 @@ if [[ $TINY == 1 ]]; then
     # DPO from PPO's SFT on the reward model's pairs: one epoch at batch 32, the paper's beta 0.05.
     # Learning rates 3e-4 and 1e-3 raise the implicit-reward accuracy but lower the gold-judge win
     # rate (1e-3: 0.07, below SFT); 1e-4 beat SFT.
-    [[ $DPO == 0 ]] || run_stage "dpo.py" $OUT_DIR/dpo/model.safetensors \
+    ! wanted dpo || run_stage "dpo.py" $OUT_DIR/dpo/model.safetensors \
         run_training dpo dpo.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
             --label_dataset $DATASET_DIR/preference --query_dataset $DATASET_DIR/sft \
             --output_dir $OUT_DIR/dpo --lr 1e-4 --local_micro_batch_size 32 --gradient_accumulation_steps 1 \
             --local_eval_batch_size 100 --response_length 32
+    # RLOO, GRPO and online DPO at PPO's budget: PPO_UPDATES updates of 64 episodes (a query with its
+    # k samples: 32 queries x 2 or 16 x 4), PPO's lr, lengths and micro batches.
+    run_online_methods 64 64 --lr 1e-4 --total_episodes $((PPO_UPDATES * 64)) --local_micro_batch_size 16 \
+        --gradient_accumulation_steps 4 --local_eval_batch_size 16 --print_sample_output_freq 10 \
+        --response_length 32
 else
     # The paper's pipeline: hub data tokenized for MODEL with the paper's lengths, one SFT (loss
     # over every token) that is both the policy and the reward model's backbone, lr 3e-6 everywhere.
@@ -240,19 +291,27 @@ else
             --local_eval_batch_size "$EVAL_BATCH"
     ppo_offload=()
     if [[ $PPO_OFFLOAD == 1 ]]; then ppo_offload=(--offload); fi
-    run_stage "ppo_left_padding.py" $OUT_DIR/ppo/model.safetensors \
+    ! wanted ppo || run_stage "ppo_left_padding.py" $OUT_DIR/ppo/model.safetensors \
         run_training ppo ppo_left_padding.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
             --reward_model_path $OUT_DIR/reward_model --query_dataset "$DATASET_DIR/sft" \
             --output_dir $OUT_DIR/ppo --local_micro_batch_size "$PPO_MICRO_BATCH" \
             --gradient_accumulation_steps "$PPO_ACCUMULATION" \
             --local_rollout_forward_batch_size "$PPO_ROLLOUT_FORWARD_BATCH" \
             --local_eval_batch_size "$EVAL_BATCH" ${ppo_offload[@]+"${ppo_offload[@]}"}
-    [[ $DPO == 0 ]] || run_stage "dpo.py" $OUT_DIR/dpo/model.safetensors \
+    ! wanted dpo || run_stage "dpo.py" $OUT_DIR/dpo/model.safetensors \
         run_training dpo dpo.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
             --label_dataset "$DATASET_DIR/preference" --query_dataset "$DATASET_DIR/sft" \
             --output_dir $OUT_DIR/dpo --local_micro_batch_size "$DPO_MICRO_BATCH" \
             --gradient_accumulation_steps "$DPO_ACCUMULATION" --local_eval_batch_size "$EVAL_BATCH" \
             ${ppo_offload[@]+"${ppo_offload[@]}"}
+    # RLOO, GRPO and online DPO with the paper's settings at PPO's batch of 512 episodes and PPO's
+    # memory knobs (no critic: they need less); online DPO's micro batch holds a chosen and a
+    # rejected sample, so it is even
+    ONLINE_MICRO_BATCH=$((PPO_MICRO_BATCH + PPO_MICRO_BATCH % 2))
+    ONLINE_ACCUMULATION=$(accumulation 512 "$ONLINE_MICRO_BATCH")
+    run_online_methods 512 "$PPO_ROLLOUT_FORWARD_BATCH" --local_micro_batch_size "$ONLINE_MICRO_BATCH" \
+        --gradient_accumulation_steps "$ONLINE_ACCUMULATION" \
+        --local_eval_batch_size "$EVAL_BATCH" ${ppo_offload[@]+"${ppo_offload[@]}"}
 fi
 
 # The eval plots (eval/, reruns in seconds, so never skipped): SFT ROUGE-L and RM accuracy vs model

@@ -12,7 +12,7 @@
 # cluster, SLURM=0 runs here.
 #
 # Here: each (size, seed) is `NAME=scaling_<size>_<seed> MODEL=models/tiny/pythia-tiny-<size>
-# SEED=<seed> DPO=0 ./hello_world.sh`: its models go to models/scaling_<size>_<seed>/, its runs to
+# SEED=<seed> ALGOS=ppo ./hello_world.sh`: its models go to models/scaling_<size>_<seed>/, its runs to
 # runs/scaling_<size>_<seed>_<stage>/. A stage whose output exists is skipped, so a rerun (or a run
 # stopped halfway and started again) only trains what is missing.
 #
@@ -77,7 +77,7 @@ if [[ $SLURM == 0 ]]; then
         model=models/tiny/pythia-tiny-$size
         for seed in ${seeds[@]+"${seeds[@]}"}; do
             echo "=== scaling: tiny-$size seed $seed ($((done_runs + 1)) of $total, $((SECONDS - start)) s so far)"
-            NAME=scaling_${size}_$seed MODEL=$model SEED=$seed DPO=0 ./hello_world.sh ${force[@]+"${force[@]}"}
+            NAME=scaling_${size}_$seed MODEL=$model SEED=$seed ALGOS=ppo ./hello_world.sh ${force[@]+"${force[@]}"}
             done_runs=$((done_runs + 1))
         done
     done

@@ -63,6 +63,39 @@ def check_exp_names(flags: dict) -> list:
     return list(flags.values())
 
 
+# the methods beside SFT, PPO and DPO that hello_world.sh ALGOS=all trains, by exp_name (rloo.py's
+# variants take their own), in plot order; --methods replaces the list
+OTHER_METHODS = ["rloo=RLOO k=2", "rloo_k4=RLOO k=4", "grpo=GRPO k=4", "online_dpo=online DPO"]
+# SFT, PPO and DPO keep their colours in every plot (DPO's is also its colour in sft_rm_scale.py)
+FIXED_COLORS = {"SFT": "tab:blue", "PPO": "tab:orange", "DPO": "tab:green"}
+MORE_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+
+
+def policy_labels(source) -> dict:
+    """{exp_name: label} of every policy eval/ compares, in plot order: SFT, PPO, DPO (the Args'
+    --sft_exp_name, --ppo_exp_name, --dpo_exp_name), then --methods (EXP_NAME=LABEL each); the
+    exp_names pairwise distinct, and the labels too (a label names one line of a legend)."""
+    flags = {"--sft_exp_name": source.sft_exp_name, "--ppo_exp_name": source.ppo_exp_name,
+             "--dpo_exp_name": source.dpo_exp_name}
+    labels = {source.sft_exp_name: "SFT", source.ppo_exp_name: "PPO", source.dpo_exp_name: "DPO"}
+    for entry in source.methods:
+        exp_name, sep, label = entry.partition("=")
+        if not sep or not exp_name.strip() or not label.strip():
+            raise ValueError(f"--methods: {entry!r} is not EXP_NAME=LABEL (e.g. rloo_k4='RLOO k=4')")
+        flags[f"--methods {entry}"] = exp_name.strip()
+        labels[exp_name.strip()] = label.strip()
+    check_exp_names(flags)
+    if len(set(labels.values())) < len(labels):
+        raise ValueError(f"--methods: two policies share a label ({', '.join(labels.values())})")
+    return labels
+
+
+def policy_colors(labels: list) -> dict:
+    """{label: colour}: SFT, PPO and DPO their own, the other methods the next free colours in order."""
+    more = iter(c for c in MORE_COLORS)
+    return {label: FIXED_COLORS.get(label) or next(more, "black") for label in labels}
+
+
 def either(names: list) -> str:
     """['sft', 'reward', 'dpo'] -> 'sft, reward or dpo', for messages."""
     return " or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}"
@@ -338,6 +371,37 @@ def seed_summary(per_seed: pd.DataFrame, by: list) -> pd.DataFrame:
                      "seeds": " ".join(map(str, frame["seed"])), "values": " ".join(f"{v:.6g}" for v in values),
                      "mean": values.mean(), "std": values.std(ddof=1) if len(values) > 1 else np.nan})
     return pd.DataFrame(rows)
+
+
+def t_quantile(df: int, p: float = 0.975) -> float:
+    """The p quantile of Student's t with `df` degrees of freedom (no scipy here): bisection on its
+    CDF, the density integrated by Simpson's rule; within 1e-6 of the tabled values."""
+    import math
+
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x: float, steps: int = 4000) -> float:  # 0.5 + the integral of the density from 0 to x
+        h = x / steps
+        f = [math.exp(log_norm - (df + 1) / 2 * math.log1p((i * h) ** 2 / df)) for i in range(steps + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        low, high = high, high * 2
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if cdf(middle) < p else (low, middle)
+    return (low + high) / 2
+
+
+def t_interval(values) -> tuple:
+    """95% interval of the mean of `values` (one per seed): mean +- t(0.975, n - 1) x std (ddof=1) /
+    sqrt(n); (nan, nan) for fewer than two values, where the spread between seeds is unknown."""
+    values = np.asarray(values, dtype=float)
+    if len(values) < 2:
+        return np.nan, np.nan
+    half = t_quantile(len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+    return values.mean() - half, values.mean() + half
 
 
 def markdown_table(frame: pd.DataFrame) -> str:

@@ -1,4 +1,5 @@
-"""Win rate of SFT, PPO and DPO summaries against the reference summaries, by model size and by length.
+"""Win rate of SFT, PPO, DPO, RLOO, GRPO and online DPO summaries against the reference summaries, by model
+size and by length.
 
     python eval/rlhf_scaling_plot.py --run_glob 'hello_world_*' --judge gold      # embedded default
     python eval/rlhf_scaling_plot.py --judge chat --chat.model gpt-3.5-turbo-0125 \\
@@ -7,10 +8,12 @@
 Reads each run's eval table (`validation_table` by default: columns query, postprocessed_response,
 reference_responses, optionally scores and reference_scores) from its local run folder
 (`runs/<run_name>/<table>.csv`) or, with --wandb_project, from the wandb table logged under that
-key; sft.py, ppo_left_padding.py and dpo.py write these tables with --run_eval. A run's exp_name
-says its policy: --sft_exp_name (SFT), --ppo_exp_name (PPO), --dpo_exp_name (DPO), three different
-names; plots and tables list the policies in that order, and a policy without runs is simply absent
-(without DPO runs the outputs are those of SFT and PPO alone). Runs are grouped by (exp_name,
+key; sft.py, ppo_left_padding.py, dpo.py, rloo.py and online_dpo.py write these tables with
+--run_eval. A run's exp_name says its policy: --sft_exp_name (SFT), --ppo_exp_name (PPO),
+--dpo_exp_name (DPO), then --methods (EXP_NAME=LABEL; by default the rloo, rloo_k4, grpo and
+online_dpo runs of hello_world.sh ALGOS=all), all different names; plots and tables list the
+policies in that order, each with its own colour and legend entry, and a policy without runs is
+simply absent (without DPO runs the outputs are those of SFT and PPO alone). Runs are grouped by (exp_name,
 base_model, seed); a key uses its run pinned with --runs, else its newest run that has the table,
 so a newer run without --run_eval does not displace a complete one. A judge compares every response
 with its reference (see eval/judges.py): `gold`, the synthetic task's exact judge, or `chat`, an LLM
@@ -38,8 +41,9 @@ import numpy as np
 import pandas as pd
 import tyro
 
-from common import (check_exp_names, console, either, find_runs, finish_scaling_axes, format_size, model_sizes,
-                    parse_size_overrides, plot_over_sizes, save_figure, seed_summary, shifts, use_runs, write_table)
+from common import (OTHER_METHODS, console, either, find_runs, finish_scaling_axes, format_size, model_sizes,
+                    parse_size_overrides, plot_over_sizes, policy_colors, policy_labels, save_figure, seed_summary,
+                    shifts, use_runs, write_table)
 from judges import EOS_TEXT, PAD_TEXT, ChatJudge, ChatJudgeConfig, gold_verdicts, win_counts
 
 
@@ -64,6 +68,9 @@ class Args:
     """exp_name of the PPO runs"""
     dpo_exp_name: str = "dpo"
     """exp_name of the DPO runs"""
+    methods: list[str] = field(default_factory=lambda: list(OTHER_METHODS))
+    """the policies beside SFT, PPO and DPO, as EXP_NAME=LABEL in plot order (default: the rloo.py and
+    online_dpo.py runs of hello_world.sh ALGOS=all)"""
     table: str = "validation_table"
     """eval table to judge: `<table>.csv` in a run folder, the table logged under this key on wandb"""
     num_rows: Optional[int] = None
@@ -81,8 +88,6 @@ class Args:
     """folder for the plots (PNG, PDF) and their tables (CSV, markdown)"""
 
 
-# the policies in plot and table order, with their colours (DPO's is also its colour in sft_rm_scale.py)
-POLICY_COLORS = {"SFT": "tab:blue", "PPO": "tab:orange", "DPO": "tab:green"}
 TABLE_COLUMNS = ("query", "postprocessed_response", "reference_responses")
 
 
@@ -132,9 +137,9 @@ def run_tokenizer(run, override: Optional[str], loaded: dict):
     return loaded[path]
 
 
-def per_run_table(judged: pd.DataFrame) -> pd.DataFrame:
+def per_run_table(judged: pd.DataFrame, order: list) -> pd.DataFrame:
     """One row per run: verdict counts, win rate (ties half, unparsed left out), mean length; by
-    policy (SFT, PPO, DPO), the runs of a policy in the order use_runs gave them."""
+    policy in `order` (labels), the runs of a policy in the order use_runs gave them."""
     rows = []
     for (policy, base_model, model_size, seed, run_name), frame in judged.groupby(
             ["policy", "base_model", "model_size", "seed", "run_name"], sort=False):
@@ -143,7 +148,7 @@ def per_run_table(judged: pd.DataFrame) -> pd.DataFrame:
                      "run_name": run_name, "rows": len(frame), "wins": counts["policy"], "ties": counts["tie"],
                      "losses": counts["reference"], "unparsed": counts["unparsed"], "win_rate": counts["win_rate"],
                      "mean_length": frame["length"].mean()})
-    return by_policy(pd.DataFrame(rows), [])
+    return by_policy(pd.DataFrame(rows), order, [])
 
 
 def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple:
@@ -154,7 +159,7 @@ def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple:
     return min(p, center - half), max(p, center + half)  # float noise must not put p outside
 
 
-def length_bin_table(judged: pd.DataFrame, n_bins: int) -> pd.DataFrame:
+def length_bin_table(judged: pd.DataFrame, n_bins: int, order: list) -> pd.DataFrame:
     """Win rate per policy in `n_bins` equal-width bins of response length, with its 95% Wilson
     interval; the bins span all policies' lengths (unparsed rows left out), the last bin includes
     its upper edge, and empty bins are not listed."""
@@ -168,14 +173,14 @@ def length_bin_table(judged: pd.DataFrame, n_bins: int) -> pd.DataFrame:
         rows.append({"policy": policy, "bin": int(b), "length_low": edges[b], "length_high": edges[b + 1],
                      "rows": len(frame), "wins": counts["policy"], "ties": counts["tie"], "losses": counts["reference"],
                      "win_rate": counts["win_rate"], "ci_low": low, "ci_high": high})
-    return by_policy(pd.DataFrame(rows), ["bin"])
+    return by_policy(pd.DataFrame(rows), order, ["bin"])
 
 
-def by_policy(frame: pd.DataFrame, then: list) -> pd.DataFrame:
-    """Rows in plot order: SFT, PPO, DPO, then by the columns `then`; a stable sort, so rows equal in
-    all of these keep their order."""
-    order = frame["policy"].map(list(POLICY_COLORS).index)
-    return (frame.assign(_order=order).sort_values(["_order", *then], kind="stable").drop(columns="_order")
+def by_policy(frame: pd.DataFrame, order: list, then: list) -> pd.DataFrame:
+    """Rows in plot order: the policies in `order` (SFT, PPO, DPO, then the other methods), then by the
+    columns `then`; a stable sort, so rows equal in all of these keep their order."""
+    rank = frame["policy"].map(order.index)
+    return (frame.assign(_order=rank).sort_values(["_order", *then], kind="stable").drop(columns="_order")
             .reset_index(drop=True))
 
 
@@ -184,11 +189,11 @@ def reference_line(ax) -> None:
 
 
 def main(args: Args) -> None:
-    exp_names = check_exp_names({"--sft_exp_name": args.sft_exp_name, "--ppo_exp_name": args.ppo_exp_name,
-                                 "--dpo_exp_name": args.dpo_exp_name})
+    policies = policy_labels(args)
+    exp_names, order = list(policies), list(policies.values())
+    colors = policy_colors(order)
     if args.length_bins < 1:
         raise ValueError("--length_bins must be at least 1")
-    policies = {args.sft_exp_name: "SFT", args.ppo_exp_name: "PPO", args.dpo_exp_name: "DPO"}
     judge = ChatJudge(args.chat) if args.judge == "chat" else None  # fails now on a missing model or key
     judge_name = "gold judge" if judge is None else f"{args.chat.model} judge"
 
@@ -229,7 +234,7 @@ def main(args: Args) -> None:
         frame.to_csv(os.path.join(args.out, "judged", f"{run_name}.csv"), index=False)
 
     # 3. win rate vs model size
-    per_run = per_run_table(judged)
+    per_run = per_run_table(judged, order)
     write_table(per_run, args.out, "rlhf_scale_plot_runs")
     unjudged = per_run[per_run["win_rate"].isna()]
     if len(unjudged):
@@ -240,14 +245,14 @@ def main(args: Args) -> None:
     summary = seed_summary(per_seed, ["policy", "base_model", "model_size"])
     totals = per_run.groupby(["policy", "base_model"])[["rows", "unparsed"]].sum().reset_index()
     summary = summary.merge(totals, on=["policy", "base_model"], how="left")
-    summary = by_policy(summary, ["model_size"])
+    summary = by_policy(summary, order, ["model_size"])
     write_table(summary, args.out, "rlhf_scale_plot")
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    plotted = [policy for policy in POLICY_COLORS if policy in set(summary["policy"])]
+    plotted = [policy for policy in order if policy in set(summary["policy"])]
     for policy, shift in zip(plotted, shifts(len(plotted))):
         plot_over_sizes(ax, per_seed[per_seed["policy"] == policy], summary[summary["policy"] == policy],
-                        policy, POLICY_COLORS[policy], shift)
+                        policy, colors[policy], shift)
     reference_line(ax)
     ax.set_ylim(0, 1)
     ax.set_ylabel("win rate against reference summaries")
@@ -256,11 +261,11 @@ def main(args: Args) -> None:
     save_figure(fig, args.out, "rlhf_scale_plot")
 
     # 4. win rate vs response length
-    bins = length_bin_table(judged, args.length_bins)
+    bins = length_bin_table(judged, args.length_bins, order)
     write_table(bins, args.out, "rlhf_scale_plot_token_length")
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
     size_markers = dict(zip(sorted(set(per_seed["model_size"])), "os^Dvp*hX"))
-    for policy, color in POLICY_COLORS.items():
+    for policy, color in colors.items():
         runs_of = per_seed[per_seed["policy"] == policy]
         for size, marker in size_markers.items():
             runs_at = runs_of[runs_of["model_size"] == size]

@@ -6,7 +6,8 @@
 #   MODELS       base models, space-separated    default: pythia 6.9b 2.8b 1b deduped (TINY: tiny-s)
 #   SEEDS        seeds, space-separated          default: 44413 55513 66613 77713  (TINY: 1 2)
 #                array task i runs model i / len(SEEDS), seed i % len(SEEDS)
-#   OUTPUT_ROOT  models go to OUTPUT_ROOT/models/<model basename>/{sft,reward_model,ppo,dpo}_<seed>,
+#   OUTPUT_ROOT  models go to OUTPUT_ROOT/models/<model basename>/<stage>_<seed> (stage: sft,
+#                reward_model, ppo, dpo, rloo (or RLOO_METHOD), online_dpo),
 #                run folders to OUTPUT_ROOT/runs/ (the jobs run there)   default: the repository
 #   TINY=1       the embedded default on CPU: tiny models, local synthetic data (built by
 #                ./hello_world.sh --data) and hello_world.sh's stage settings (its two SFT runs
@@ -15,7 +16,10 @@
 #                WANDB_TAGS is set; WANDB_MODE=offline keeps them local). Off by default, so a
 #                cluster without a wandb login or network runs as it is
 #   EXTRA_FLAGS  appended to every stage's command line, e.g. "--push_to_hub --hf_entity me";
-#                SFT_FLAGS / REWARD_FLAGS / PPO_FLAGS / DPO_FLAGS come after it, for one stage only
+#                SFT_FLAGS / REWARD_FLAGS / PPO_FLAGS / DPO_FLAGS / RLOO_FLAGS / ONLINE_DPO_FLAGS come
+#                after it, for one stage only
+#   RLOO_METHOD  what rloo.sbatch runs, as hello_world.sh's ALGOS names it: rloo (default; k=2),
+#                rloo_k4 (k=4) or grpo (GRPO, k=4); the name is its exp_name and model folder
 #   ACCELERATE_CONFIG  default deepspeed.yaml; the process count is NODES x the task's GPU count
 #   LAUNCHER     replaces the whole launcher, e.g. "accelerate launch --config_file my.yaml" (with
 #                NODES > 1 it runs once per node through srun; SLURM_NODEID is the node's index)
@@ -140,6 +144,9 @@ RM_BACKBONE_DIR=$SFT_DIR
 RM_DIR=$MODEL_DIR/reward_model_$SEED
 PPO_DIR=$MODEL_DIR/ppo_$SEED
 DPO_DIR=$MODEL_DIR/dpo_$SEED
+RLOO_METHOD=${RLOO_METHOD:-rloo}
+RLOO_DIR=$MODEL_DIR/${RLOO_METHOD}_$SEED
+ONLINE_DPO_DIR=$MODEL_DIR/online_dpo_$SEED
 # flags of every stage, after its own: --track when TRACK=1 (wandb is opt-in), then EXTRA_FLAGS
 TRACK=${TRACK:-0}
 track=""
@@ -223,14 +230,14 @@ need_model() {
     [[ -f $1/config.json ]] || die "no $2 at $1: did array task $SLURM_ARRAY_TASK_ID of its job fail?"
 }
 
-# checkpoint_every STAGE: --checkpoint_every of SFT, REWARD, PPO or DPO (see above)
+# checkpoint_every STAGE: --checkpoint_every of SFT, REWARD, PPO, DPO, RLOO or ONLINE_DPO (see above)
 checkpoint_every() {
     local var=${1}_CHECKPOINT_EVERY default
     case $TINY/$1 in
-        0/PPO) default=25 ;;
+        0/PPO | 0/RLOO | 0/ONLINE_DPO) default=25 ;;
         0/*) default=100 ;;
         1/SFT | 1/REWARD) default=4 ;;
-        1/PPO) default=1 ;;
+        1/PPO | 1/RLOO | 1/ONLINE_DPO) default=1 ;;
         1/DPO) default=2 ;;
     esac
     local every=${!var:-${CHECKPOINT_EVERY:-$default}}
@@ -262,6 +269,8 @@ launch() {
         reward.py) stage=REWARD ;;
         ppo_left_padding.py) stage=PPO ;;
         dpo.py) stage=DPO ;;
+        rloo.py) stage=RLOO ;;
+        online_dpo.py) stage=ONLINE_DPO ;;
         *) die "launch: unknown stage $name" ;;
     esac
     local every checkpoint resume=() restarts=${SLURM_RESTART_COUNT:-0}

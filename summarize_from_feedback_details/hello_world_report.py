@@ -5,7 +5,8 @@
 Reads the run folders the stages wrote (`runs/hello_world_<stage>/`), judges the reward model's
 eval tables and the policies' validation tables with the synthetic task's gold judge (embedded
 default only; real data needs the chat judge of eval/rlhf_scaling_plot.py), and scores the SFT,
-PPO and DPO summaries with the same reward model. A stage that has not run yet is left out.
+PPO and DPO summaries (and those of RLOO, GRPO and online DPO with ALGOS=all) with the same reward
+model. A stage that has not run yet is left out.
 """
 
 import json
@@ -22,6 +23,11 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from summarize_from_feedback_details.synthetic_tldr import gold_preference, reward_gold_agreement
+
+
+# (label, run folder suffix) of the policies after SFT, as hello_world.sh names their runs (ALGOS)
+DPO_AND_ONLINE_METHODS = (("PPO", "ppo"), ("DPO", "dpo"), ("RLOO k=2", "rloo"), ("RLOO k=4", "rloo_k4"),
+                          ("GRPO k=4", "grpo"), ("online DPO", "online_dpo"))
 
 
 @dataclass
@@ -103,7 +109,7 @@ def collect(args: Args) -> list:
                                                   table["chosen_rewards"], table["rejected_rewards"])
                 rows.append((f"{what} agreement with the gold judge, {name}", f"{agreement:.3f}"))
     policies = {name: os.path.join(args.runs_dir, f"{args.prefix}{stage}", "validation_table.csv")
-                for name, stage in (("SFT", "sft"), ("PPO", "ppo"), ("DPO", "dpo"))}
+                for name, stage in (("SFT", "sft"), *DPO_AND_ONLINE_METHODS)}
     policies = {name: path for name, path in policies.items() if os.path.exists(path)}
     reward_model_dir = os.path.join(args.models_dir, "reward_model")
     if policies and os.path.isdir(reward_model_dir):
@@ -116,10 +122,11 @@ def collect(args: Args) -> list:
                              f"{summary['win_rate']:.3f}"))
             rows.append((f"{name} mean reward-model score", f"{summary['rm_score']:.3f}"))
             rows.append((f"{name} mean response length (tokens)", f"{summary['length']:.1f}"))
-    ppo = os.path.join(args.runs_dir, f"{args.prefix}ppo")
-    if os.path.isdir(ppo):
-        kl = metric_history(ppo, "objective/kl")[-5:]
-        rows.append(("PPO KL to the SFT policy (nats per response, last 5 updates)", f"{np.mean(kl):.2f}"))
+    for name, stage in DPO_AND_ONLINE_METHODS:
+        folder = os.path.join(args.runs_dir, f"{args.prefix}{stage}")
+        kl = metric_history(folder, "objective/kl")[-5:] if os.path.isfile(os.path.join(folder, "metrics.jsonl")) else []
+        if kl:
+            rows.append((f"{name} KL to the SFT policy (nats per response, last 5 updates)", f"{np.mean(kl):.2f}"))
     if os.path.isdir(args.models_dir):
         models = sorted(name for name in os.listdir(args.models_dir) if os.path.isdir(os.path.join(args.models_dir, name)))
         rows.append(("models", f"{args.models_dir}/{{{','.join(models)}}}"))

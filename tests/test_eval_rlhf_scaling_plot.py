@@ -221,6 +221,40 @@ def test_dpo_beside_sft_and_ppo(tmp_path):
         rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, sft_exp_name="x", ppo_exp_name="x", dpo_exp_name="x"))
 
 
+# runs of the other methods (hello_world.sh ALGOS=all), by their exp_names
+METHOD_TABLES = {
+    ("rloo", PYTHIA_1B, 1): [(GOOD, MID)] * 3 + [(POOR, MID)],  # W W W L: 3/4
+    ("grpo", PYTHIA_1B, 1): [(MID, GOOD)] * 4,  # 0/4
+    ("online_dpo", PYTHIA_1B, 1): [(MID, MID)] * 2 + [(GOOD, MID)] * 2,  # T T W W: 3/4
+}
+
+
+def test_every_method_found_is_plotted_after_sft_ppo_and_dpo(tmp_path):
+    """rloo.py and online_dpo.py runs are policies of their own, each labelled (--methods), listed after
+    SFT, PPO and DPO in --methods' order (rloo_k4 has no runs: absent), the earlier rows unchanged."""
+    runs_dir, without, out = str(tmp_path / "runs"), str(tmp_path / "without"), str(tmp_path / "out")
+    write_runs(runs_dir, output_dir=word_tokenizer(tmp_path / "tokenizer"))
+    write_runs(runs_dir, output_dir=str(tmp_path / "tokenizer"), tables=DPO_TABLES)
+    rlhf.main(rlhf.Args(runs_dir=runs_dir, out=without, length_bins=2))
+    write_runs(runs_dir, output_dir=str(tmp_path / "tokenizer"), tables=METHOD_TABLES)
+    rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, length_bins=2))
+    runs = read(out, "rlhf_scale_plot_runs")
+    assert runs["policy"].tolist() == ["SFT"] * 2 + ["PPO"] * 3 + ["DPO"] * 3 + ["RLOO k=2", "GRPO k=4", "online DPO"]
+    assert runs["win_rate"].tolist()[-3:] == [0.75, 0.0, 0.75]
+    old = runs[runs["policy"].isin(["SFT", "PPO", "DPO"])].reset_index(drop=True)
+    pd.testing.assert_frame_equal(old, read(without, "rlhf_scale_plot_runs"))
+    assert read(out, "rlhf_scale_plot")["policy"].tolist()[-3:] == ["RLOO k=2", "GRPO k=4", "online DPO"]
+    # --methods relabels and reorders; a method named twice, or without a label, is refused
+    rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, length_bins=2, methods=["online_dpo=OnDPO", "rloo=R"]))
+    assert read(out, "rlhf_scale_plot_runs")["policy"].tolist()[-2:] == ["OnDPO", "R"]
+    with pytest.raises(ValueError, match="are both 'rloo'"):
+        rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, methods=["rloo=A", "rloo=B"]))
+    with pytest.raises(ValueError, match="'rloo' is not EXP_NAME=LABEL"):
+        rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, methods=["rloo"]))
+    with pytest.raises(ValueError, match="two policies share a label"):
+        rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, methods=["rloo=PPO"]))
+
+
 def test_missing_column_is_an_error(tmp_path):
     runs_dir = tmp_path / "runs"
     write_runs(str(runs_dir), output_dir=word_tokenizer(tmp_path / "tokenizer"))

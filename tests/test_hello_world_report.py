@@ -79,6 +79,9 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     # DPO: two losses
     write_run(runs / "hello_world_dpo", [{"train/rm/loss": 0.6}], {"validation_table.csv": pd.DataFrame(
         {"query": [POST, POST], "postprocessed_response": [poor, poor], "reference_responses": [good, good]})})
+    # ALGOS=all: GRPO (one win, one loss; its own KL history) is a policy row of its own
+    write_run(runs / "hello_world_grpo", [{"objective/kl": k} for k in (0.5, 1.5)], {"validation_table.csv": pd.DataFrame(
+        {"query": [POST, POST], "postprocessed_response": [good, poor], "reference_responses": [poor, good]})})
     (tmp_path / "plots").mkdir()
     for name in ("win_rate.png", "win_rate.pdf", "length.png"):
         (tmp_path / "plots" / name).touch()
@@ -91,6 +94,9 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     assert rows["DPO gold-judge win rate vs reference (2 prompts)"] == "0.000"
     assert rows["DPO mean response length (tokens)"] == f"{len(tokenizer(poor)['input_ids']):.1f}"
     assert rows["PPO KL to the SFT policy (nats per response, last 5 updates)"] == "3.00"
+    assert rows["GRPO k=4 gold-judge win rate vs reference (2 prompts)"] == "0.500"
+    assert rows["GRPO k=4 KL to the SFT policy (nats per response, last 5 updates)"] == "1.00"
+    assert not any(what.startswith(("RLOO", "online DPO", "DPO KL")) for what in rows)  # no runs, no rows
     lengths = [len(tokenizer(r)["input_ids"]) for r in (good, poor)]
     assert rows["SFT mean response length (tokens)"] == f"{sum(lengths) / 2:.1f}"
     assert rows["PPO mean response length (tokens)"] == f"{lengths[0]:.1f}"

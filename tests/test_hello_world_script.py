@@ -209,21 +209,57 @@ def test_own_flags_reach_their_stages_last_and_name_separates_the_run(checkout):
     assert dpo_call[-2:] == ["--beta", "0.1"] and dpo_call[0] == "accelerate"
 
 
-def test_dpo_0_leaves_dpo_out(checkout):
-    """DPO=0 (what scaling.sh passes): the other stages and the plots as usual, no dpo.py."""
-    result, calls = run(checkout, 0, DPO="0")
+def calls_of(calls, script):
+    """The calls of `script` by its file name (stage_calls would count online_dpo.py as dpo.py)."""
+    return [c for c in calls if any(os.path.basename(arg) == script for arg in c)]
+
+
+def test_algos_chooses_the_methods_after_the_reward_model(checkout):
+    """ALGOS=ppo (what scaling.sh passes): no dpo.py; ALGOS=all (compare.sh): RLOO with k=2 and 4,
+    GRPO and online DPO beside PPO and DPO, each at PPO's 30 x 64 episodes in its own folders under its
+    own exp_name, with its own flags last; a name it does not know is refused."""
+    result, calls = run(checkout, 0, ALGOS="ppo")
     assert result.returncode == 0, result.stderr
-    assert not stage_calls(calls, "dpo.py") and len(stage_calls(calls, "ppo_left_padding.py")) == 1
+    assert not calls_of(calls, "dpo.py") and len(calls_of(calls, "ppo_left_padding.py")) == 1
+    assert not calls_of(calls, "rloo.py") + calls_of(calls, "online_dpo.py")
     assert len(stage_calls(calls, "eval/rlhf_scaling_plot.py")) == 1
-    result, _ = run(checkout, 0, DPO="no")
-    assert result.returncode == 2 and "DPO must be 0 or 1" in result.stderr
+    result, calls = run(checkout, 0, "--force", ALGOS="all", RLOO_FLAGS="--kl_coef 0.1", ONLINE_DPO_FLAGS="--beta 0.2")
+    assert result.returncode == 0, result.stderr
+    assert len(calls_of(calls, "ppo_left_padding.py")) == len(calls_of(calls, "dpo.py")) == 1
+    rloo, rloo_k4, grpo = calls_of(calls, "rloo.py")
+    (online,) = calls_of(calls, "online_dpo.py")
+    for call, name, k in ((rloo, "rloo", 2), (rloo_k4, "rloo_k4", 4), (grpo, "grpo", 4), (online, "online_dpo", 2)):
+        assert flag(call, "--output_dir") == f"models/hello_world/{name}" and flag(call, "--run_name") == f"hello_world_{name}"
+        assert flag(call, "--sft_model_path") == "models/hello_world/sft"
+        assert flag(call, "--reward_model_path") == "models/hello_world/reward_model"
+        assert flag(call, "--total_episodes") == str(30 * 64) and flag(call, "--lr") == "1e-4"
+        # 64 episodes per update: queries x k = micro 16 x accumulation 4, generated in one chunk of queries
+        assert (flag(call, "--local_micro_batch_size"), flag(call, "--gradient_accumulation_steps")) == ("16", "4")
+        assert flag(call, "--local_rollout_forward_batch_size") == str(64 // k)
+        assert name == "rloo" or call.count("--exp_name") == (name != "online_dpo")
+    assert "--rloo_k" not in rloo and flag(rloo_k4, "--rloo_k") == flag(grpo, "--rloo_k") == "4"
+    assert flag(grpo, "--algorithm") == "grpo" and flag(grpo, "--exp_name") == "grpo"
+    assert flag(rloo_k4, "--exp_name") == "rloo_k4"
+    assert all(c[-2:] == ["--kl_coef", "0.1"] for c in (rloo, rloo_k4, grpo)) and online[-2:] == ["--beta", "0.2"]
+    result, calls = run(checkout, 8, MODEL="EleutherAI/pythia-1b-deduped", ALGOS="rloo_k4 online_dpo")
+    assert result.returncode == 0, result.stderr
+    assert not calls_of(calls, "ppo_left_padding.py") and not calls_of(calls, "dpo.py")
+    (rloo_k4,) = calls_of(calls, "rloo.py")
+    (online,) = calls_of(calls, "online_dpo.py")
+    for call, k in ((rloo_k4, 4), (online, 2)):  # the paper's 512 episodes over 8 GPUs
+        assert call[0] == "accelerate" and flag(call, "--num_processes") == "8"
+        micro, accumulation = int(flag(call, "--local_micro_batch_size")), int(flag(call, "--gradient_accumulation_steps"))
+        assert micro * accumulation * 8 == 512 and micro % 2 == 0
+        assert flag(call, "--local_rollout_forward_batch_size") == str(min(64, 512 // 8 // k))
+    result, _ = run(checkout, 0, ALGOS="ppo reinforce")
+    assert result.returncode == 2 and "ALGOS: 'reinforce' is none of" in result.stderr
 
 
 # stands in for hello_world.sh in scaling.sh's tests: records the environment it was started with
 HELLO_WORLD_RECORDER = """#!/usr/bin/env python3
 import json, os, sys
 with open(os.environ["RECORD"], "a") as f:
-    f.write(json.dumps(["hello_world.sh", *sys.argv[1:], {k: os.environ.get(k) for k in ("NAME", "MODEL", "SEED", "DPO")}]) + "\\n")
+    f.write(json.dumps(["hello_world.sh", *sys.argv[1:], {k: os.environ.get(k) for k in ("NAME", "MODEL", "SEED", "ALGOS")}]) + "\\n")
 """
 
 
@@ -252,10 +288,10 @@ def run_scaling(checkout, *flags, **env):
 def test_scaling_runs_every_size_and_seed_through_hello_world_then_the_plots(scaling_checkout):
     result, calls = run_scaling(scaling_checkout)
     assert result.returncode == 0, result.stderr
-    assert calls[0] == ["hello_world.sh", "--data", {"NAME": None, "MODEL": None, "SEED": None, "DPO": None}]
+    assert calls[0] == ["hello_world.sh", "--data", {"NAME": None, "MODEL": None, "SEED": None, "ALGOS": None}]
     runs = [c[-1] for c in calls[1:10]]
     assert runs == [{"NAME": f"scaling_{size}_{seed}", "MODEL": f"models/tiny/pythia-tiny-{size}", "SEED": seed,
-                     "DPO": "0"} for size in "sml" for seed in "123"]
+                     "ALGOS": "ppo"} for size in "sml" for seed in "123"]
     assert all(c[0] == "hello_world.sh" and len(c) == 2 for c in calls[1:10])  # no --force: finished stages are reused
     # then the plots over all of them, and the table from the plots' tables
     plots = calls[10:]
@@ -282,6 +318,41 @@ def test_scaling_checks_every_size_before_training_any(scaling_checkout):
     result, calls = run_scaling(scaling_checkout, SIZES="s xl")
     assert result.returncode == 2 and "no base model models/tiny/pythia-tiny-xl" in result.stderr
     assert [c[1] for c in calls] == ["--data"]  # tiny-s was not trained first
+
+
+def test_compare_runs_every_method_per_seed_through_hello_world_then_the_table(scaling_checkout):
+    """compare.sh (make compare): hello_world.sh with ALGOS=all under make scaling's names (so its SFT,
+    reward model and PPO are reused), tiny-m x seeds 1 2 3 by default; then the plots and the table of
+    every seed found of those sizes."""
+    shutil.copy(os.path.join(ROOT, "compare.sh"), scaling_checkout / "compare.sh")
+
+    def run_compare(*flags, **env):
+        record = scaling_checkout / "record.jsonl"
+        record.unlink(missing_ok=True)
+        result = subprocess.run([BASH, "compare.sh", *flags], cwd=scaling_checkout, capture_output=True, text=True,
+                                env={"PATH": "/usr/bin:/bin", "RECORD": str(record), "HOME": str(scaling_checkout),
+                                     **env}, timeout=60)
+        return result, [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+
+    result, calls = run_compare()
+    assert result.returncode == 0, result.stderr
+    assert calls[0][:2] == ["hello_world.sh", "--data"]
+    assert [c[-1] for c in calls[1:4]] == [{"NAME": f"scaling_m_{seed}", "MODEL": "models/tiny/pythia-tiny-m",
+                                            "SEED": seed, "ALGOS": "all"} for seed in "123"]
+    assert all(len(c) == 2 for c in calls[1:4])  # no --force: finished stages are reused
+    plots = calls[4:]
+    assert [c[1] for c in plots] == ["eval/rlhf_scaling_plot.py", "eval/compare_table.py"]
+    assert all(flag(c, "--run_glob") == "scaling_[m]_*" and flag(c, "--out") == "eval/images/compare" for c in plots)
+    assert flag(plots[0], "--judge") == "gold"
+    result, calls = run_compare("--force", SIZES="m l", SEEDS="7")
+    assert result.returncode == 0, result.stderr
+    assert [(c[1], c[-1]["NAME"]) for c in calls[1:3]] == [("--force", "scaling_m_7"), ("--force", "scaling_l_7")]
+    assert flag(calls[3], "--run_glob") == "scaling_[ml]_*"
+    for env, message in (({"SEEDS": "1 x"}, "is not a seed"), ({"SIZES": "m ../x"}, "is not a tiny size name"),
+                         ({"SIZES": " "}, "at least one size and one seed"), ({"SIZES": "xl"}, "no base model")):
+        result, calls = run_compare(**env)
+        assert result.returncode == 2 and message in result.stderr, (env, result.stderr)
+        assert not [c for c in calls if c[0] == "hello_world.sh" and c[-1]["NAME"]]
 
 
 # stand-ins for Slurm's commands in scaling.sh's tests. sbatch records its arguments and the

@@ -28,9 +28,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASH = os.environ.get("TEST_BASH", "bash")
 SBATCHES = ("sft.sbatch", "reward.sbatch", "ppo_left_padding.sbatch", "dpo.sbatch")
+ONLINE_SBATCHES = ("rloo.sbatch", "online_dpo.sbatch")  # beside PPO, after the reward model
 # the scripts a user runs on a login or compute node. tests/slurm/test_sbatch_chain.sh is not one:
 # it runs as root on a Debian machine with its bash 5.
-SCRIPTS = ("hello_world.sh", "scaling.sh", "sbatches/common.sh", *(f"sbatches/{name}" for name in SBATCHES))
+SCRIPTS = ("hello_world.sh", "scaling.sh", "compare.sh", "sbatches/common.sh",
+           *(f"sbatches/{name}" for name in SBATCHES + ONLINE_SBATCHES))
 
 # --- the static check ------------------------------------------------------------------------------
 GUARDED = re.compile(r'\$\{(\w+)\[([@*])\]\+"\$\{\1\[\2\]\}"\}')  # ${a[@]+"${a[@]}"}
@@ -160,7 +162,7 @@ def header(name):
     return options
 
 
-@pytest.mark.parametrize("name", SBATCHES)
+@pytest.mark.parametrize("name", SBATCHES + ONLINE_SBATCHES)
 def test_sbatch_asks_for_the_whole_node(name):
     options = header(name)
     job = name.removesuffix(".sbatch")
@@ -366,12 +368,56 @@ def test_dpo_tiny_runs_the_embedded_default(repo):
 
 
 @pytest.mark.parametrize("name, missing", [("reward.sbatch", "SFT model"), ("ppo_left_padding.sbatch", "SFT model"),
-                                           ("dpo.sbatch", "SFT model")])
+                                           ("dpo.sbatch", "SFT model"), ("rloo.sbatch", "SFT model"),
+                                           ("online_dpo.sbatch", "SFT model")])
 def test_a_missing_earlier_model_stops_the_stage(repo, name, missing):
     result, calls = chain(repo, task=1, names=(name,))
     out = repo / "out/models/pythia-1b-deduped/sft_2"
     assert result.returncode == 2 and not calls
     assert f"no {missing} at {out}: did array task 1 of its job fail?" in result.stderr
+
+
+def test_online_methods_keep_ppos_batch_on_every_size_and_method(repo):
+    """rloo.sbatch (RLOO_METHOD rloo, rloo_k4, grpo) and online_dpo.sbatch after the reward model: PPO's
+    512 episodes per update on 8 GPUs, generation chunks within a process's queries (512 / k / 8),
+    online DPO's micro batch even, 6.9b's frozen models offloaded; the method names its folder."""
+    models = "EleutherAI/pythia-6.9b-deduped EleutherAI/pythia-1b-deduped"
+    for task, model in ((0, "pythia-6.9b-deduped"), (2, "pythia-1b-deduped")):
+        for method, k, own in (("rloo", 2, []), ("rloo_k4", 4, ["--rloo_k", "4", "--exp_name", "rloo_k4"]),
+                               ("grpo", 4, ["--algorithm", "grpo", "--rloo_k", "4", "--exp_name", "grpo"])):
+            result, calls = chain(repo, models=models, task=task, names=SBATCHES[:2] + ("rloo.sbatch",),
+                                  RLOO_METHOD=method, RLOO_FLAGS="--kl_coef 0.1")
+            assert result.returncode == 0, result.stderr
+            rloo = calls[2]
+            assert os.path.basename(rloo[0]) == "rloo.py" and rloo[1:3] == ["--checkpoint_every", "25"]
+            out = str(repo / f"out/models/{model}")
+            assert flag(rloo, "--sft_model_path") == f"{out}/sft_1"
+            assert flag(rloo, "--reward_model_path") == f"{out}/reward_model_1"
+            assert flag(rloo, "--output_dir") == f"{out}/{method}_1"
+            for i, word in enumerate(own):  # the method's flags, before the file's
+                assert rloo[rloo.index(own[0]) + i] == word
+            assert ("--rloo_k" in rloo) == (k == 4) and rloo[-2:] == ["--kl_coef", "0.1"]
+            micro = int(flag(rloo, "--local_micro_batch_size"))
+            assert micro * int(flag(rloo, "--gradient_accumulation_steps")) * 8 == 512
+            assert int(flag(rloo, "--local_rollout_forward_batch_size")) <= 512 // k // 8
+            assert ("--offload" in rloo) == (task == 0) and "--deepspeed" in rloo and "--run_eval" in rloo
+        result, calls = chain(repo, models=models, task=task, names=SBATCHES[:2] + ("online_dpo.sbatch",),
+                              ONLINE_DPO_FLAGS="--beta 0.2", ONLINE_DPO_CHECKPOINT_EVERY="5")
+        assert result.returncode == 0, result.stderr
+        online = calls[2]
+        assert os.path.basename(online[0]) == "online_dpo.py" and online[1:3] == ["--checkpoint_every", "5"]
+        assert flag(online, "--output_dir") == str(repo / f"out/models/{model}/online_dpo_1")
+        micro = int(flag(online, "--local_micro_batch_size"))
+        assert micro % 2 == 0 and micro * int(flag(online, "--gradient_accumulation_steps")) * 8 == 512
+        assert int(flag(online, "--local_rollout_forward_batch_size")) <= 512 // 2 // 8
+        assert ("--offload" in online) == (task == 0) and online[-2:] == ["--beta", "0.2"]
+    result, calls = chain(repo, names=("rloo.sbatch",), RLOO_METHOD="ppo")
+    assert result.returncode == 2 and not calls
+    assert "RLOO_METHOD must be rloo, rloo_k4 or grpo, got 'ppo'" in result.stderr
+    # the reward model is needed too
+    shutil.rmtree(repo / "out")
+    result, calls = chain(repo, names=("sft.sbatch", "online_dpo.sbatch"))
+    assert result.returncode == 2 and "no reward model at" in result.stderr and len(calls) == 1
 
 
 def test_blank_launcher_is_refused(repo):
@@ -388,6 +434,9 @@ def test_checkpoint_every_by_stage(repo):
     result, calls = chain(repo, models="models/tiny/pythia-tiny-s", TINY="1")
     assert result.returncode == 0, result.stderr
     assert [c[1:3] for c in calls] == [["--checkpoint_every", e] for e in ("4", "4", "4", "1", "2")]
+    result, calls = chain(repo, models="models/tiny/pythia-tiny-s", TINY="1", names=ONLINE_SBATCHES)
+    assert result.returncode == 0, result.stderr
+    assert [c[1:3] for c in calls] == [["--checkpoint_every", "1"]] * 2
     result, calls = chain(repo, CHECKPOINT_EVERY="7", PPO_CHECKPOINT_EVERY="3", SFT_FLAGS="--checkpoint_every 9")
     assert result.returncode == 0, result.stderr
     assert [c[2] for c in calls] == ["7", "7", "3", "7"] and calls[0][-2:] == ["--checkpoint_every", "9"]
@@ -535,7 +584,8 @@ def stage_flags(argv):
 def test_tiny_sbatch_chain_runs_hello_worlds_settings(repo, tmp_path):
     """TINY=1 is hello_world.sh's pipeline, stage by stage with the same flags (scaling.sh submits it
     as the Slurm path of `make scaling`): two SFT runs, the reward model on the all-tokens one, PPO
-    and DPO on the summary-only one."""
+    and DPO on the summary-only one; with ALGOS=all, rloo.sbatch (its three RLOO_METHODs) and
+    online_dpo.sbatch as hello_world's rloo, rloo_k4, grpo and online_dpo."""
     import test_hello_world_script as hello_world_wiring
 
     checkout = tmp_path / "checkout"
@@ -543,27 +593,37 @@ def test_tiny_sbatch_chain_runs_hello_worlds_settings(repo, tmp_path):
     shutil.copy(os.path.join(ROOT, "hello_world.sh"), checkout / "hello_world.sh")
     for name in (".venv/bin/python", ".venv/bin/accelerate", "bin/make"):
         hello_world_wiring.executable(checkout / name, hello_world_wiring.RECORDER)
-    result, calls = hello_world_wiring.run(checkout, 0, MODEL="models/tiny/pythia-tiny-s", SEED="2")
+    result, calls = hello_world_wiring.run(checkout, 0, MODEL="models/tiny/pythia-tiny-s", SEED="2", ALGOS="all")
     assert result.returncode == 0, result.stderr
+    scripts = ("sft.py", "reward.py", "ppo_left_padding.py", "dpo.py", "rloo.py", "online_dpo.py")
     local = [stage_flags(c) for c in calls if any(a.startswith("summarize_from_feedback_details/") and
-                                                     a.endswith(("sft.py", "reward.py", "ppo_left_padding.py", "dpo.py"))
-                                                     for a in c)]
+                                                     os.path.basename(a) in scripts for a in c)]
     result, launched = chain(repo, models="models/tiny/pythia-tiny-s", task=1, TINY="1")  # seed 2
     assert result.returncode == 0, result.stderr
-    submitted = [stage_flags(c) for c in launched]
+    for method in ("rloo", "rloo_k4", "grpo"):
+        result, more = chain(repo, models="models/tiny/pythia-tiny-s", task=1, names=("rloo.sbatch",), TINY="1",
+                             RLOO_METHOD=method)
+        assert result.returncode == 0, result.stderr
+        launched += more
+    result, more = chain(repo, models="models/tiny/pythia-tiny-s", task=1, names=("online_dpo.sbatch",), TINY="1")
+    assert result.returncode == 0, result.stderr
+    submitted = [stage_flags(c) for c in launched + more]
     assert [s for s, _, _ in submitted] == [s for s, _, _ in local] == ["sft.py", "sft.py", "reward.py",
-                                                                        "ppo_left_padding.py", "dpo.py"]
+                                                                        "ppo_left_padding.py", "dpo.py", "rloo.py",
+                                                                        "rloo.py", "rloo.py", "online_dpo.py"]
     for (script, ours, _), (_, theirs, _) in zip(local, submitted, strict=True):
         assert ours == theirs, (script, set(ours.items()) ^ set(theirs.items()))
     assert local[0][1]["--exp_name"] == "sft_all_tokens" and "--response_only_loss" in local[1][1]
-    assert local[3][1]["--total_episodes"] == str(30 * 64)
+    assert local[3][1]["--total_episodes"] == local[5][1]["--total_episodes"] == str(30 * 64)
+    assert local[7][1]["--algorithm"] == "grpo"
     # the same models in the same roles: models/<NAME>/<stage> there, <OUTPUT_ROOT>/models/<model>/<stage>_<seed> here
     out = str(repo / "out/models/pythia-tiny-s")
-    roles = [("--output_dir", "sft_all_tokens"), ("--output_dir", "sft"), ("--sft_model_path", "sft_all_tokens"),
-             ("--output_dir", "reward_model"), ("--sft_model_path", "sft"), ("--reward_model_path", "reward_model"),
-             ("--output_dir", "ppo"), ("--sft_model_path", "sft"), ("--output_dir", "dpo")]
-    stage_of_role = [0, 1, 2, 2, 3, 3, 3, 4, 4]
-    for (name, folder), i in zip(roles, stage_of_role, strict=True):
+    roles = [(0, "--output_dir", "sft_all_tokens"), (1, "--output_dir", "sft"), (2, "--sft_model_path", "sft_all_tokens"),
+             (2, "--output_dir", "reward_model"), (3, "--sft_model_path", "sft"), (3, "--reward_model_path", "reward_model"),
+             (3, "--output_dir", "ppo"), (4, "--sft_model_path", "sft"), (4, "--output_dir", "dpo")]
+    for i, folder in ((5, "rloo"), (6, "rloo_k4"), (7, "grpo"), (8, "online_dpo")):
+        roles += [(i, "--sft_model_path", "sft"), (i, "--reward_model_path", "reward_model"), (i, "--output_dir", folder)]
+    for i, name, folder in roles:
         assert local[i][2][name] == f"models/hello_world/{folder}"
         assert submitted[i][2][name] == f"{out}/{folder}_2"
     for (_, _, ours), (_, _, theirs) in zip(local, submitted, strict=True):

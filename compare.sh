@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The methods side by side on the embedded default, at equal episodes: SFT, PPO, DPO, RLOO (k=2 and
+# k=4), GRPO (k=4) and online DPO from the same SFT and reward model per seed, at tiny-m x seeds 1 2 3;
+# then eval/'s plots of every method and the comparison table (eval/compare_table.py).
+#
+#   make compare                      (or ./compare.sh): tiny-m x seeds 1 2 3
+#   SIZES="m l" ./compare.sh          tiny-l as well (SEEDS chooses the seeds)
+#   ./compare.sh --force              retrain everything
+#
+# Each (size, seed) is `NAME=scaling_<size>_<seed> MODEL=models/tiny/pythia-tiny-<size> SEED=<seed>
+# ALGOS=all ./hello_world.sh`: the folders of `make scaling` (scaling.sh), whose SFT, reward model
+# and PPO runs are reused where they exist (a stage whose output exists is skipped), so only the
+# missing methods train. Every online method gets PPO's budget: 30 updates of 64 episodes.
+# The plots and tables take every seed found in runs/ of these sizes. Plots and tables:
+# eval/images/compare/ (docs/compare.md shows them).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+SIZES=${SIZES:-m}
+SEEDS=${SEEDS:-"1 2 3"}
+OUT=eval/images/compare
+force=()
+for arg in "$@"; do
+    case "$arg" in
+        --force) force=(--force) ;;
+        *) echo "usage: [SIZES=\"m\"] [SEEDS=\"1 2 3\"] $0 [--force]" >&2; exit 2 ;;
+    esac
+done
+read -ra sizes <<<"$SIZES"
+read -ra seeds <<<"$SEEDS"
+for size in ${sizes[@]+"${sizes[@]}"}; do
+    [[ $size =~ ^[a-z]+$ ]] || { echo "SIZES: '$size' is not a tiny size name (s, m, l)" >&2; exit 2; }
+done
+for seed in ${seeds[@]+"${seeds[@]}"}; do
+    [[ $seed =~ ^[0-9]+$ ]] || { echo "SEEDS: '$seed' is not a seed" >&2; exit 2; }
+done
+if (( ${#sizes[@]} == 0 || ${#seeds[@]} == 0 )); then
+    echo "SIZES and SEEDS must name at least one size and one seed" >&2; exit 2
+fi
+
+./hello_world.sh --data
+for size in ${sizes[@]+"${sizes[@]}"}; do
+    [[ -d models/tiny/pythia-tiny-$size ]] ||
+        { echo "no base model models/tiny/pythia-tiny-$size (the tiny sizes are those of tiny_models.SIZES)" >&2; exit 2; }
+done
+start=$SECONDS
+total=$((${#sizes[@]} * ${#seeds[@]}))
+done_runs=0
+for size in ${sizes[@]+"${sizes[@]}"}; do
+    for seed in ${seeds[@]+"${seeds[@]}"}; do
+        echo "=== compare: tiny-$size seed $seed ($((done_runs + 1)) of $total, $((SECONDS - start)) s so far)"
+        NAME=scaling_${size}_$seed MODEL=models/tiny/pythia-tiny-$size SEED=$seed ALGOS=all \
+            ./hello_world.sh ${force[@]+"${force[@]}"}
+        done_runs=$((done_runs + 1))
+    done
+done
+
+PY=.venv/bin/python
+echo "=== compare: plots and table over methods x seeds in $OUT"
+# every seed found of these sizes (those of earlier runs with other SEEDS too)
+run_glob="scaling_[${SIZES// /}]_*"
+$PY eval/rlhf_scaling_plot.py --run_glob "$run_glob" --judge gold --out $OUT
+$PY eval/compare_table.py --run_glob "$run_glob" --out $OUT
+echo "=== compare: $total (size, seed) pairs in $((SECONDS - start)) s; the table: $OUT/compare_table.md"
