@@ -1,6 +1,6 @@
 """What eval/sft_rm_scale.py and eval/rlhf_scaling_plot.py share: finding runs (local run folders or
-wandb) and choosing which of them make the plots, the model size of a run, mean and std over seeds,
-and writing a figure with its table.
+wandb) and choosing which of them make the plots, the model size of a run, mean, std and 95% t-interval over
+seeds, and writing a figure with its table.
 
 A run is identified by its stage's Args (`args.json` locally, the run config on wandb): `exp_name`
 says which stage (and variant) it is, `base_model` which model size, `seed` which seed. Runs are
@@ -25,6 +25,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
+
+from summarize_from_feedback_details.win_rates import t_interval
 
 matplotlib.use("Agg")  # figures go to files only, also on a machine with a display
 console = Console(stderr=True, soft_wrap=True)  # long warnings stay on one line (greppable logs)
@@ -360,48 +362,19 @@ def model_label(base_model: str, size: float) -> str:
 
 def seed_summary(per_seed: pd.DataFrame, by: list) -> pd.DataFrame:
     """One row per group of `by` from one row per (group, seed) with a `value` column: the number of
-    seeds, the seeds and their values (space-separated, same order), the mean and the std over
-    seeds. The std is the sample std (ddof=1), the spread one expects between seeds; with a single
-    seed it is undefined and left empty (NaN) and no error bar is drawn."""
+    seeds, the seeds and their values (space-separated, same order), the mean, the std over seeds
+    and the 95% t-interval of the mean (ci_low, ci_high). The std is the sample std (ddof=1), the
+    spread one expects between seeds; with a single seed it and the interval are undefined and left
+    empty (NaN) and no error bar is drawn."""
     rows = []
     for group, frame in per_seed.groupby(by, sort=True):
         frame = frame.sort_values("seed")
         values = frame["value"].to_numpy(dtype=float)
         rows.append({**dict(zip(by, group)), "n_seeds": len(values),
                      "seeds": " ".join(map(str, frame["seed"])), "values": " ".join(f"{v:.6g}" for v in values),
-                     "mean": values.mean(), "std": values.std(ddof=1) if len(values) > 1 else np.nan})
+                     "mean": values.mean(), "std": values.std(ddof=1) if len(values) > 1 else np.nan,
+                     **dict(zip(("ci_low", "ci_high"), t_interval(values)))})
     return pd.DataFrame(rows)
-
-
-def t_quantile(df: int, p: float = 0.975) -> float:
-    """The p quantile of Student's t with `df` degrees of freedom (no scipy here): bisection on its
-    CDF, the density integrated by Simpson's rule; within 1e-6 of the tabled values."""
-    import math
-
-    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def cdf(x: float, steps: int = 4000) -> float:  # 0.5 + the integral of the density from 0 to x
-        h = x / steps
-        f = [math.exp(log_norm - (df + 1) / 2 * math.log1p((i * h) ** 2 / df)) for i in range(steps + 1)]
-        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
-
-    low, high = 0.0, 1.0
-    while cdf(high) < p:
-        low, high = high, high * 2
-    for _ in range(50):
-        middle = (low + high) / 2
-        low, high = (middle, high) if cdf(middle) < p else (low, middle)
-    return (low + high) / 2
-
-
-def t_interval(values) -> tuple:
-    """95% interval of the mean of `values` (one per seed): mean +- t(0.975, n - 1) x std (ddof=1) /
-    sqrt(n); (nan, nan) for fewer than two values, where the spread between seeds is unknown."""
-    values = np.asarray(values, dtype=float)
-    if len(values) < 2:
-        return np.nan, np.nan
-    half = t_quantile(len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
-    return values.mean() - half, values.mean() + half
 
 
 def markdown_table(frame: pd.DataFrame) -> str:
@@ -433,12 +406,17 @@ def save_figure(fig, out: str, name: str) -> None:
 
 def plot_over_sizes(ax, per_seed: pd.DataFrame, summary: pd.DataFrame, label: str, color: str,
                     shift: float = 1.0) -> None:
-    """Each seed as a hollow point and the mean over seeds with +-std error bars, against model
-    size; `shift` multiplies x so that series sharing a size do not hide each other."""
+    """Each seed as a hollow point and the mean over seeds with its 95% t-interval as error bars, against
+    model size; `shift` multiplies x so that series sharing a size do not hide each other."""
     ax.scatter(per_seed["model_size"] * shift, per_seed["value"], s=36, facecolors="none", edgecolors=color, alpha=0.7)
     summary = summary.sort_values("model_size")
-    ax.errorbar(summary["model_size"] * shift, summary["mean"], yerr=summary["std"].fillna(0), color=color,
-                marker="o", markersize=5, capsize=4, label=f"{label} (mean ± std over seeds)")
+    ax.errorbar(summary["model_size"] * shift, summary["mean"], yerr=interval_bars(summary), color=color,
+                marker="o", markersize=5, capsize=4, label=f"{label} (mean, 95% t-interval over seeds)")
+
+
+def interval_bars(summary: pd.DataFrame) -> list:
+    """matplotlib's asymmetric yerr of seed_summary rows: mean - ci_low, ci_high - mean (0: no interval)."""
+    return [(summary["mean"] - summary["ci_low"]).fillna(0), (summary["ci_high"] - summary["mean"]).fillna(0)]
 
 
 def finish_scaling_axes(ax, sizes, values, min_span: float = 0.02) -> None:

@@ -6,7 +6,8 @@ Reads the local runs of every policy (--sft_exp_name, --ppo_exp_name, --dpo_exp_
 as eval/rlhf_scaling_plot.py; one run per (exp_name, base_model, seed), chosen as eval/ chooses)
 that saved a validation table, and per run measures:
 - win_rate: the gold judge's win rate of its validation summaries against the references (ties
-  count half; the synthetic task's exact judge, so the embedded default only);
+  count half; the synthetic task's exact judge, so the embedded default only), with its 95% Wilson
+  interval over prompts;
 - rm_score: the mean score of its summaries under the reward model of its (base_model, seed), the
   `reward_model_path` of that seed's online runs (SFT and DPO train without one), every policy's
   summaries through the same path (hello_world_report.reward_scores);
@@ -33,10 +34,11 @@ import numpy as np
 import pandas as pd
 import tyro
 
-from common import (OTHER_METHODS, local_runs, policy_colors, policy_labels, save_figure, t_interval, use_runs,
-                    write_table)
+from common import OTHER_METHODS, local_runs, policy_colors, policy_labels, save_figure, use_runs, write_table
 from judges import gold_verdicts, win_counts
 from rlhf_scaling_plot import response_lengths, run_tokenizer
+
+from summarize_from_feedback_details.win_rates import t_interval, wilson_interval
 
 
 @dataclass
@@ -104,8 +106,10 @@ def run_row(run, label: str, reward_model_path: Optional[str], last_updates: int
     kl = metric_values(run.folder, "objective/kl")[-last_updates:]
     seconds = metric_values(run.folder, "time/update") if kl else []  # online methods only
     tokenizer = run_tokenizer(run, None, tokenizers)
+    win_rate = win_counts(gold_verdicts(rows))["win_rate"]
+    ci_low, ci_high = wilson_interval(win_rate, len(rows))
     return {"policy": label, "base_model": run.config["base_model"], "seed": run.config["seed"], "run_name": run.name,
-            "rows": len(rows), "win_rate": win_counts(gold_verdicts(rows))["win_rate"],
+            "rows": len(rows), "win_rate": win_rate, "win_rate_ci_low": ci_low, "win_rate_ci_high": ci_high,
             "rm_score": score_table(table, reward_model_path, loaded),
             "kl": float(np.mean(kl)) if kl else np.nan,
             "length": float(np.mean(response_lengths(list(table["postprocessed_response"].astype(str)), tokenizer))),

@@ -84,11 +84,16 @@ class ChatJudgeConfig:
     cache: str = "eval/judge_cache.jsonl"
     """every verdict (unparsed ones too), keyed by a hash of model, temperature and prompt: a rerun asks only for new rows"""
     seed: int = 1
-    """seeds the per-row coin that puts the policy's summary in slot A or B"""
+    """seeds the per-row coin that puts the policy's summary in slot A or B (one order only)"""
+    both_orders: bool = True
+    """ask each pair twice, the policy's summary as A and as B (each order its own cached prompt); two
+    verdicts that disagree (the judge followed the position, not the summary) count as a tie, and their
+    share is reported as the flip rate. --chat.no-both-orders asks one order, from the seeded coin"""
     paper_parsing: bool = False
-    """read verdicts as the paper's oai.py did, to compare with its numbers: the first reply's text
-    after `Preferred:` must be exactly A or B to count for the policy (so "A." counts for the
-    reference), and a reply without `Preferred:` goes to a random side. Biased against the policy."""
+    """read verdicts as the paper's oai.py did, to compare with its numbers: one order (the coin), the
+    first reply's text after `Preferred:` must be exactly A or B to count for the policy (so "A."
+    counts for the reference), and a reply without `Preferred:` goes to a random side. Biased against
+    the policy."""
 
 
 SYSTEM_PROMPT = "You are a careful, impartial judge of text summaries."
@@ -153,6 +158,16 @@ def policy_slot(seed: int, post: str, response: str, reference: str) -> str:
     return "A" if digest[0] % 2 == 0 else "B"
 
 
+def combine_orders(verdicts: list) -> tuple:
+    """(verdict, flipped) of a row from its verdicts in each order asked: one order gives its own
+    (flipped None); two parsed verdicts that agree give theirs, two that disagree a tie (flipped True);
+    with one of two unparsed the parsed one stands (flipped None: no pair to compare)."""
+    parsed = [v for v in verdicts if v != "unparsed"]
+    if len(verdicts) < 2 or len(parsed) < 2:
+        return (parsed[0] if parsed else "unparsed"), None
+    return (parsed[0], False) if parsed[0] == parsed[1] else ("tie", True)
+
+
 def build_messages(post: str, summary_a: str, summary_b: str) -> list:
     return [{"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": PROMPT.format(post=post, summary_a=summary_a, summary_b=summary_b)}]
@@ -197,33 +212,45 @@ class ChatJudge:
         self.cache = VerdictCache(config.cache)
 
     def judge(self, rows: list) -> list:
-        """One dict per (query, response, reference) row: verdict, the policy's slot, the judge's
-        preferred slot (None when unparsed), its last reply and the cache key."""
-        prompts = []
+        """One dict per (query, response, reference) row: verdict, flipped (both orders disagreed;
+        None with one order or an unparsed one), and per order asked (joined by ","; replies by a
+        line of dashes): the policy's slot, the judge's preferred slot ("-" when unparsed), its last
+        reply and the cache key."""
+        both = self.config.both_orders and not self.config.paper_parsing
+        prompts = []  # per row: (slot, messages, key) of each order asked
         for query, response, reference in rows:
             post, response, reference = clean_post(query), clean_summary(response), clean_summary(reference)
-            slot = policy_slot(self.config.seed, post, response, reference)
-            pair = (response, reference) if slot == "A" else (reference, response)
-            messages = build_messages(post, *pair)
-            prompts.append((slot, messages, cache_key(self.config.model, self.config.temperature, messages)))
-        todo = {key: messages for _, messages, key in prompts if key not in self.cache.entries}
-        cached = sum(1 for _, _, key in prompts if key in self.cache.entries)
-        print(f"chat judge {self.config.model}: {len(prompts)} rows, {cached} verdicts cached in {self.config.cache}, "
-              f"{len(todo)} prompts to ask")
+            slots = ("A", "B") if both else (policy_slot(self.config.seed, post, response, reference),)
+            asks = []
+            for slot in slots:
+                messages = build_messages(post, *((response, reference) if slot == "A" else (reference, response)))
+                asks.append((slot, messages, cache_key(self.config.model, self.config.temperature, messages)))
+            prompts.append(asks)
+        keys = [key for asks in prompts for _, _, key in asks]
+        todo = {key: messages for asks in prompts for _, messages, key in asks if key not in self.cache.entries}
+        cached = sum(1 for key in keys if key in self.cache.entries)
+        print(f"chat judge {self.config.model}: {len(prompts)} rows, {'both orders' if both else 'one order'}, "
+              f"{cached} verdicts cached in {self.config.cache}, {len(todo)} prompts to ask")
         if todo:
             asyncio.run(self._ask_all(todo))
         results = []
-        for slot, _, key in prompts:
-            entry = self.cache.entries[key]
-            if self.config.paper_parsing:
-                preferred = paper_preference(entry["first_reply"], key)
-                verdict = "policy" if preferred == slot else "reference"
-            else:
-                preferred = entry["preferred"]
-                verdict = "unparsed" if preferred is None else "policy" if preferred == slot else "reference"
-            results.append({"verdict": verdict, "policy_slot": slot, "preferred": preferred,
-                            "reply": entry["reply"], "key": key})
+        for asks in prompts:
+            read = [self._read(slot, key) for slot, _, key in asks]
+            verdict, flipped = combine_orders([v for v, _, _ in read])
+            results.append({"verdict": verdict, "flipped": flipped, "policy_slot": ",".join(s for s, _, _ in asks),
+                            "preferred": ",".join(p or "-" for _, p, _ in read),
+                            "reply": "\n-----\n".join(r for _, _, r in read), "key": ",".join(k for _, _, k in asks)})
         return results
+
+    def _read(self, slot: str, key: str) -> tuple:
+        """(verdict, preferred slot or None, last reply) of one cached prompt whose policy summary sat in `slot`."""
+        entry = self.cache.entries[key]
+        if self.config.paper_parsing:
+            preferred = paper_preference(entry["first_reply"], key)
+            return ("policy" if preferred == slot else "reference"), preferred, entry["reply"]
+        preferred = entry["preferred"]
+        verdict = "unparsed" if preferred is None else "policy" if preferred == slot else "reference"
+        return verdict, preferred, entry["reply"]
 
     async def _ask_all(self, todo: dict) -> None:
         import openai

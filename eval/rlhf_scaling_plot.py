@@ -22,9 +22,12 @@ behind an OpenAI-compatible API (cached, so a rerun costs nothing).
 Writes to --out:
 - runs_used_rlhf_scaling_plot.{csv,md}: every run found, which one each key used and why the
   others were set aside (also printed first);
-- rlhf_scale_plot.{png,pdf,csv,md}: win rate vs model size, each seed and the mean +- std (ddof=1);
-- rlhf_scale_plot_runs.{csv,md}: per run counts (wins, ties, losses, unparsed), win rate, mean length
-  (by policy, then in run order);
+- rlhf_scale_plot.{png,pdf,csv,md}: win rate vs model size, each seed and the mean with its 95%
+  t-interval over seeds (and the std, ddof=1, in the table);
+- rlhf_scale_plot_runs.{csv,md}: per run counts (wins, ties, losses, unparsed), win rate with its 95%
+  Wilson interval over prompts (ties half), the length-controlled win rate with its 95% bootstrap
+  interval, mean length, and with the chat judge in both orders the flips and the flip rate (by
+  policy, then in run order);
 - rlhf_scale_plot_token_length.{png,pdf,csv,md}: each run's win rate vs its mean response length,
   and the win rate in response-length bins (all sizes and seeds of a policy pooled);
 - judged/<run_name>.csv: every row with its verdict (and the chat judge's reply).
@@ -45,6 +48,9 @@ from common import (OTHER_METHODS, console, either, find_runs, finish_scaling_ax
                     parse_size_overrides, plot_over_sizes, policy_colors, policy_labels, save_figure, seed_summary,
                     shifts, use_runs, write_table)
 from judges import EOS_TEXT, PAD_TEXT, ChatJudge, ChatJudgeConfig, gold_verdicts, win_counts
+
+from summarize_from_feedback_details.win_rates import (length_controlled_interval, length_controlled_win_rate,
+                                                       outcome_of, wilson_interval)
 
 
 @dataclass
@@ -138,25 +144,30 @@ def run_tokenizer(run, override: Optional[str], loaded: dict):
 
 
 def per_run_table(judged: pd.DataFrame, order: list) -> pd.DataFrame:
-    """One row per run: verdict counts, win rate (ties half, unparsed left out), mean length; by
-    policy in `order` (labels), the runs of a policy in the order use_runs gave them."""
+    """One row per run: verdict counts, win rate (ties half, unparsed left out) with its 95% Wilson
+    interval over prompts, the length-controlled win rate (win on the length difference to the
+    reference, read at zero) with its 95% bootstrap interval, mean length, and with the chat judge in
+    both orders the flips (verdicts that changed with the order) and their share of the rows judged
+    in both; by policy in `order` (labels), the runs of a policy in the order use_runs gave them."""
     rows = []
     for (policy, base_model, model_size, seed, run_name), frame in judged.groupby(
             ["policy", "base_model", "model_size", "seed", "run_name"], sort=False):
         counts = win_counts(list(frame["verdict"]))
+        outcomes = frame["verdict"].map(outcome_of)
+        parsed = outcomes.notna()
+        outcomes, difference = outcomes[parsed].to_numpy(float), (frame["length"] - frame["reference_length"])[parsed]
+        ci = wilson_interval(counts["win_rate"], int(parsed.sum()))
+        lc_ci = length_controlled_interval(outcomes, difference.to_numpy(float))
+        pairs = frame["flipped"].dropna() if "flipped" in frame else pd.Series(dtype=bool)
         rows.append({"policy": policy, "base_model": base_model, "model_size": model_size, "seed": seed,
                      "run_name": run_name, "rows": len(frame), "wins": counts["policy"], "ties": counts["tie"],
                      "losses": counts["reference"], "unparsed": counts["unparsed"], "win_rate": counts["win_rate"],
-                     "mean_length": frame["length"].mean()})
+                     "ci_low": ci[0], "ci_high": ci[1],
+                     "lc_win_rate": length_controlled_win_rate(outcomes, difference.to_numpy(float)),
+                     "lc_ci_low": lc_ci[0], "lc_ci_high": lc_ci[1], "mean_length": frame["length"].mean(),
+                     "flips": int(pairs.astype(bool).sum()) if len(pairs) else np.nan,
+                     "flip_rate": float(pairs.astype(bool).mean()) if len(pairs) else np.nan})
     return by_policy(pd.DataFrame(rows), order, [])
-
-
-def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple:
-    """95% Wilson score interval of a rate p over n rows: unlike p +- standard error it does not
-    shrink to nothing at p = 0 or 1, so a bin of 2 rows looks as uncertain as it is."""
-    center = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return min(p, center - half), max(p, center + half)  # float noise must not put p outside
 
 
 def length_bin_table(judged: pd.DataFrame, n_bins: int, order: list) -> pd.DataFrame:
@@ -220,6 +231,8 @@ def main(args: Args) -> None:
             "reference": table["reference_responses"].astype(str),
             "length": response_lengths(list(table["postprocessed_response"].astype(str)),
                                        run_tokenizer(run, args.tokenizer, tokenizers)),
+            "reference_length": response_lengths(list(table["reference_responses"].astype(str)),
+                                                 run_tokenizer(run, args.tokenizer, tokenizers)),
         }))
     judged = pd.concat(frames, ignore_index=True)
     rows = list(zip(judged["query"], judged["response"], judged["reference"]))
@@ -227,7 +240,7 @@ def main(args: Args) -> None:
         judged["verdict"] = gold_verdicts(rows)
     else:
         results = pd.DataFrame(judge.judge(rows))
-        for column in ("verdict", "policy_slot", "preferred", "reply"):
+        for column in ("verdict", "flipped", "policy_slot", "preferred", "reply"):
             judged[column] = results[column].to_numpy()
     os.makedirs(os.path.join(args.out, "judged"), exist_ok=True)
     for run_name, frame in judged.groupby("run_name"):

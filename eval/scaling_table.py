@@ -1,5 +1,5 @@
 """The results table of a sizes x seeds sweep (scaling.sh, `make scaling`): each metric by model size,
-mean +- std over seeds with every seed's value, and whether the mean rises with size.
+mean over seeds with its 95% t-interval and every seed's value, and whether the mean rises with size.
 
     python eval/scaling_table.py --plots_dir eval/images/scaling
 
@@ -67,7 +67,7 @@ def long_table(plots_dir: str) -> pd.DataFrame:
     gain = ppo_gain(read_table(plots_dir, "rlhf_scale_plot_runs"))
     if len(gain):
         frames.append(gain.assign(metric=PPO_GAIN))
-    columns = ["metric", "base_model", "model_size", "n_seeds", "seeds", "values", "mean", "std"]
+    columns = ["metric", "base_model", "model_size", "n_seeds", "seeds", "values", "mean", "std", "ci_low", "ci_high"]
     return pd.concat([f[columns] for f in frames], ignore_index=True)
 
 
@@ -77,9 +77,9 @@ def rises(means: list) -> bool:
 
 
 def cell(row) -> str:
-    """'mean ± std (each seed's value)'; a single seed has no std."""
+    """'mean [95% t-interval] (each seed's value)'; a single seed has no interval."""
     values = ", ".join(f"{float(v):.3f}" for v in str(row["values"]).split())
-    spread = "" if np.isnan(row["std"]) else f" ± {row['std']:.3f}"
+    spread = "" if np.isnan(row["ci_low"]) else f" [{row['ci_low']:.3f}, {row['ci_high']:.3f}]"
     return f"{row['mean']:.3f}{spread} ({values})"
 
 
@@ -109,7 +109,7 @@ def results_table(long: pd.DataFrame) -> pd.DataFrame:
 def main(args: Args) -> None:
     table = results_table(long_table(args.plots_dir))
     write_table(table, args.plots_dir, "scaling_table")
-    shown = Table(title=f"scaling sweep: mean ± std over seeds (each seed) - {args.plots_dir}/scaling_table.md")
+    shown = Table(title=f"scaling sweep: mean [95% t-interval] over seeds (each seed) - {args.plots_dir}/scaling_table.md")
     for column in table.columns:
         shown.add_column(column, overflow="fold")
     for row in table.itertuples(index=False):

@@ -20,8 +20,8 @@ a newer run without --run_eval does not displace a complete one. Writes to --out
 - rm_scale_dpo_plot.{png,pdf,csv,md}: one panel per split, the reward model's accuracy next to
   DPO's, whose implicit rewards beta * (log pi - log ref) dpo.py logs under the same metric names.
   Only with DPO runs (a warning otherwise); the other plots do not depend on them.
-Each table row is one plotted mean: its seeds, their values, the mean and the std (ddof=1, empty
-with a single seed).
+Each table row is one plotted mean: its seeds, their values, the mean, the std (ddof=1) and the
+95% t-interval the error bars draw (ci_low, ci_high; both empty with a single seed).
 """
 
 from dataclasses import dataclass, field
@@ -31,8 +31,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import tyro
 
-from common import (check_exp_names, console, either, find_runs, finish_scaling_axes, model_label, model_sizes,
-                    parse_size_overrides, plot_over_sizes, save_figure, seed_summary, shifts, use_runs, write_table)
+from common import (check_exp_names, console, either, find_runs, finish_scaling_axes, interval_bars, model_label,
+                    model_sizes, parse_size_overrides, plot_over_sizes, save_figure, seed_summary, shifts, use_runs,
+                    write_table)
 from summarize_from_feedback_details.hello_world_report import last_metrics
 
 
@@ -155,13 +156,13 @@ def confidence_plot(confidence: pd.DataFrame, out: str) -> None:
     for ax, split in zip(axes[0], splits):
         for (size, base_model), color in zip(models, colors):
             rows = summary[(summary["split"] == split) & (summary["base_model"] == base_model)].sort_values("confidence")
-            ax.errorbar(rows["confidence"], rows["mean"], yerr=rows["std"].fillna(0), color=color, marker="o",
+            ax.errorbar(rows["confidence"], rows["mean"], yerr=interval_bars(rows), color=color, marker="o",
                         capsize=3, label=model_label(base_model, size))
         ax.set_title(RM_SPLITS[split])
         ax.set_xlabel("labeller confidence")
         ax.set_xticks(sorted(set(summary["confidence"])))
         ax.grid(alpha=0.3)
-        ax.legend(title="model (mean ± std over seeds)", loc="best", fontsize=8, title_fontsize=8)
+        ax.legend(title="model (mean, 95% t-interval over seeds)", loc="best", fontsize=8, title_fontsize=8)
     axes[0][0].set_ylabel("reward model accuracy")
     fig.suptitle("reward model accuracy by labeller confidence")
     save_figure(fig, out, "rm_scale_plot_confidence")

@@ -22,6 +22,7 @@ from rich.table import Table
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+from summarize_from_feedback_details import win_rates
 from summarize_from_feedback_details.synthetic_tldr import gold_preference, reward_gold_agreement
 
 
@@ -70,16 +71,28 @@ def reward_scores(reward_model, tokenizer, queries: list, responses: list, batch
 
 
 def policy_summary(table: pd.DataFrame, reward_model, tokenizer) -> dict:
-    """Gold-judge win rate against the reference summaries (ties count half), mean reward-model
-    score, and mean response length in tokens (EOS not counted) of a policy's validation table."""
+    """Gold-judge win rate against the reference summaries (ties count half) with its 95% Wilson
+    interval over prompts, the length-controlled win rate (win_rates.py: at zero length difference to
+    the reference) with its 95% bootstrap interval, mean reward-model score, and mean response length
+    in tokens (EOS not counted) of a policy's validation table."""
     queries, responses = list(table["query"]), list(table["postprocessed_response"])
     wins = [gold_preference(q, r, ref) for q, r, ref in zip(queries, responses, table["reference_responses"])]
+    lengths = np.array([len(tokenizer(r)["input_ids"]) for r in responses], dtype=float)
+    difference = lengths - [len(tokenizer(r)["input_ids"]) for r in table["reference_responses"]]
     return {
         "win_rate": float(np.mean(wins)),
+        "ci": win_rates.wilson_interval(float(np.mean(wins)), len(wins)),
+        "lc_win_rate": win_rates.length_controlled_win_rate(wins, difference),
+        "lc_ci": win_rates.length_controlled_interval(wins, difference),
         "rm_score": float(reward_scores(reward_model, tokenizer, queries, responses).mean()),
-        "length": float(np.mean([len(tokenizer(r)["input_ids"]) for r in responses])),
+        "length": float(lengths.mean()),
         "rows": len(table),
     }
+
+
+def with_interval(value: float, interval: tuple) -> str:
+    """'0.178 [0.140, 0.221]': a rate and its 95% interval."""
+    return f"{value:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
 
 
 def metric_history(run_folder: str, key: str) -> list:
@@ -119,7 +132,9 @@ def collect(args: Args) -> list:
             summary = policy_summary(pd.read_csv(path, keep_default_na=False), reward_model, tokenizer)
             if args.gold_judge:
                 rows.append((f"{name} gold-judge win rate vs reference ({summary['rows']} prompts)",
-                             f"{summary['win_rate']:.3f}"))
+                             with_interval(summary["win_rate"], summary["ci"])))
+                rows.append((f"{name} length-controlled gold win rate", with_interval(summary["lc_win_rate"],
+                                                                                      summary["lc_ci"])))
             rows.append((f"{name} mean reward-model score", f"{summary['rm_score']:.3f}"))
             rows.append((f"{name} mean response length (tokens)", f"{summary['length']:.1f}"))
     for name, stage in DPO_AND_ONLINE_METHODS:
@@ -147,6 +162,8 @@ def main(args: Args) -> None:
     if not console.is_terminal:  # a log file: rich would assume 80 columns and wrap every label
         console.width = 120
     console.print(table)
+    console.print("[x, y]: 95% intervals over the validation prompts (win rate: Wilson; length-controlled: "
+                  "bootstrap); ties count half")
 
 
 if __name__ == "__main__":

@@ -163,8 +163,9 @@ def test_chat_judge_against_stand_in_server(tmp_path, monkeypatch):
     tokenizer = word_tokenizer(tmp_path / "tokenizer")
     with StandInJudge() as server:
         monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)  # the base URL from the environment
+        # one order per row (the seeded coin); both orders: the test below
         chat = judges.ChatJudgeConfig(model="stand-in", api_key="test-key", max_concurrency=3, parse_retries=2,
-                                      backoff=0.01, cache=cache, seed=3)
+                                      backoff=0.01, cache=cache, seed=3, both_orders=False)
         args = rlhf.Args(runs_dir=runs_dir, out=out, judge="chat", chat=chat, tokenizer=tokenizer)
         rlhf.main(args)
 
@@ -220,6 +221,57 @@ def test_chat_judge_against_stand_in_server(tmp_path, monkeypatch):
         assert runs.loc["SFT", ["wins", "unparsed"]].tolist() == [3, 0] and runs.loc["PPO", "win_rate"] == pytest.approx(3 / 7)
 
 
+def test_combine_orders_known_answers():
+    assert judges.combine_orders(["policy"]) == ("policy", None)  # one order
+    assert judges.combine_orders(["policy", "policy"]) == ("policy", False)
+    assert judges.combine_orders(["reference", "reference"]) == ("reference", False)
+    assert judges.combine_orders(["policy", "reference"]) == ("tie", True)  # the judge followed the position
+    assert judges.combine_orders(["unparsed", "reference"]) == ("reference", None)
+    assert judges.combine_orders(["unparsed", "unparsed"]) == ("unparsed", None)
+
+
+def test_both_orders_turn_a_position_bias_into_ties(tmp_path, monkeypatch):
+    """--chat.both_orders (the default): every row asked with the policy's summary as A and as B, both
+    cached; a judge that reads the summaries agrees with itself (no flips, the single-order verdicts),
+    a judge that always answers A flips every row: flip rate 1, every row a tie, win rate 0.5."""
+    for name in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
+                 "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    runs_dir, out = str(tmp_path / "runs"), str(tmp_path / "out")
+    write_runs(runs_dir)
+    tokenizer = word_tokenizer(tmp_path / "tokenizer")
+    plain = [i for i, (tag, _, _) in enumerate(ROWS) if tag == "PLAIN"]
+    with StandInJudge() as server:
+        chat = judges.ChatJudgeConfig(model="stand-in", api_key="k", base_url=server.base_url, backoff=0.01,
+                                      cache=str(tmp_path / "cache.jsonl"))
+        assert chat.both_orders
+        rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, judge="chat", chat=chat, tokenizer=tokenizer))
+        judged = pd.concat([pd.read_csv(os.path.join(out, "judged", f"{exp}__1__100.csv"), keep_default_na=False)
+                            for exp in RUNS], ignore_index=True)
+        assert (judged["policy_slot"] == "A,B").all()
+        rows = judged.iloc[plain]
+        assert rows["verdict"].tolist() == ["policy" if "GOOD" in ROWS[i][1] else "reference" for i in plain]
+        assert (rows["flipped"].astype(str) == "False").all()
+        with open(chat.cache) as f:  # each order its own cached prompt
+            assert len({json.loads(line)["key"] for line in f}) == 2 * len(ROWS)
+        runs = pd.read_csv(os.path.join(out, "rlhf_scale_plot_runs.csv")).set_index("policy")
+        assert runs.loc["SFT", "flips"] == 0 and runs.loc["SFT", "flip_rate"] == 0.0
+
+        def always_a(body):
+            text = "Comparison: A reads better.\nPreferred: A"
+            post = body["messages"][1]["content"].split("Post:\n", 1)[1].split("\n\nSummary A:", 1)[0]
+            return 200, {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                         "choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": text}}]}, post, 2
+        server.answer = always_a
+        chat = judges.ChatJudgeConfig(**{**vars(chat), "cache": str(tmp_path / "biased.jsonl")})
+        rlhf.main(rlhf.Args(runs_dir=runs_dir, out=out, judge="chat", chat=chat, tokenizer=tokenizer))
+        runs = pd.read_csv(os.path.join(out, "rlhf_scale_plot_runs.csv")).set_index("policy")
+        for policy in ("SFT", "PPO"):
+            assert runs.loc[policy, "flip_rate"] == 1.0 and runs.loc[policy, "win_rate"] == 0.5
+            assert runs.loc[policy, "ties"] == runs.loc[policy, "rows"] == runs.loc[policy, "flips"]
+
+
 def test_paper_parsing_known_answers():
     key = "ab" * 32
     assert judges.paper_preference("Comparison: fine.\nPreferred: B", key) == "B"
@@ -236,7 +288,8 @@ def test_api_errors_give_up_with_a_clear_message(tmp_path, monkeypatch):
     with StandInJudge() as server:
         server.answer = lambda body: (500, {"error": {"message": "down"}}, "row 0 X", len(body["messages"]))
         judge = judges.ChatJudge(judges.ChatJudgeConfig(model="m", api_key="k", base_url=server.base_url,
-                                                        api_retries=2, backoff=0.01, cache=str(tmp_path / "c.jsonl")))
+                                                        api_retries=2, backoff=0.01, cache=str(tmp_path / "c.jsonl"),
+                                                        both_orders=False))
         with pytest.raises(RuntimeError, match="failed 3 times.*rerun to go on"):
             judge.judge([("post", "a", "b")])
         assert len(server.requests) == 3

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import judges
 import rlhf_scaling_plot as rlhf
 
+from summarize_from_feedback_details import win_rates
 from summarize_from_feedback_details.synthetic_tldr import gold_score
 
 PYTHIA_1B, PYTHIA_2B8 = "EleutherAI/pythia-1b-deduped", "EleutherAI/pythia-2.8b-deduped"
@@ -86,6 +87,12 @@ def check_outputs(out):
     assert (sft1["rows"], sft1["wins"], sft1["ties"], sft1["losses"], sft1["unparsed"]) == (4, 1, 1, 2, 0)
     assert sft1["win_rate"] == pytest.approx(0.375)  # ties count half
     assert sft1["mean_length"] == pytest.approx((10 + 10 + 3 + 10) / 4)
+    # the 95% Wilson interval over its 4 prompts; the length-controlled rate from its outcomes and its
+    # length differences to the references (MID-GOOD, MID-POOR, POOR-GOOD, MID-MID); gold: no flips
+    assert (sft1["ci_low"], sft1["ci_high"]) == pytest.approx(win_rates.wilson_interval(0.375, 4))
+    assert sft1["lc_win_rate"] == pytest.approx(win_rates.length_controlled_win_rate([0, 1, 0, 0.5], [-6, 7, -13, 0]))
+    assert sft1["lc_ci_low"] <= sft1["lc_win_rate"] <= sft1["lc_ci_high"]
+    assert pd.isna(sft1["flips"]) and pd.isna(sft1["flip_rate"])
     assert runs.loc[("SFT", PYTHIA_1B, 2), "mean_length"] == pytest.approx((10 + 10 + 10 + 3) / 4)  # EOS, pads cut
     assert runs.loc[("PPO", PYTHIA_1B, 1), "win_rate"] == pytest.approx(0.625)
     assert runs.loc[("PPO", PYTHIA_2B8, 1), "win_rate"] == pytest.approx(1.0)
@@ -98,6 +105,11 @@ def check_outputs(out):
     assert summary.loc[("PPO", PYTHIA_1B), "mean"] == pytest.approx(0.6875)
     assert summary.loc[("PPO", PYTHIA_2B8), "model_size"] == 2_800_000_000
     assert pd.isna(summary.loc[("PPO", PYTHIA_2B8), "std"])
+    # the error bars: the 95% t-interval over seeds, 0.4375 -+ 12.706 x std / sqrt(2); none from one seed
+    half = 12.7062 * 0.125 / 2 ** 0.5 / 2 ** 0.5
+    assert summary.loc[("SFT", PYTHIA_1B), ["ci_low", "ci_high"]].tolist() == pytest.approx([0.4375 - half, 0.4375 + half],
+                                                                                            abs=1e-4)
+    assert summary.loc[("PPO", PYTHIA_2B8), ["ci_low", "ci_high"]].isna().all()
     assert summary.loc[("PPO", PYTHIA_1B), "rows"] == 8 and summary.loc[("PPO", PYTHIA_1B), "unparsed"] == 0
 
     # two equal-width bins over lengths 3..16: [3, 9.5) holds the POOR responses, [9.5, 16] the rest
@@ -168,7 +180,7 @@ def check_dpo_outputs(out):
                                                                                  [4, 3, 0, 1, 0]]
     assert dpo["win_rate"].tolist() == pytest.approx([0.625, 0.5, 0.75])
     assert dpo["mean_length"].tolist() == pytest.approx([13.0, 9.5, 11.5])  # seed 2: EOS and pads cut
-    assert "| DPO | EleutherAI/pythia-1b-deduped | 1000000000 | 1 | dpo__1__128 | 4 | 2 | 1 | 1 | 0 | 0.6250 | 13.0000 |" \
+    assert "| DPO | EleutherAI/pythia-1b-deduped | 1000000000 | 1 | dpo__1__128 | 4 | 2 | 1 | 1 | 0 | 0.6250 | " \
         in open(os.path.join(out, "rlhf_scale_plot_runs.md")).read()
 
     summary = read(out, "rlhf_scale_plot").set_index(["policy", "base_model"])

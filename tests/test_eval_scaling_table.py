@@ -43,7 +43,8 @@ def test_results_table_known_answers(plots_dir):
     scaling_table.main(scaling_table.Args(plots_dir=str(plots_dir)))
     table = pd.read_csv(plots_dir / "scaling_table.csv").set_index("metric")
     assert list(table.columns) == ["231K (pythia-tiny-s)", "659K (pythia-tiny-m)", "1.73M (pythia-tiny-l)", "check"]
-    assert table.loc["SFT ROUGE-L (validation)", "231K (pythia-tiny-s)"] == "0.350 ± 0.050 (0.300, 0.400, 0.350)"
+    # mean [mean -+ t(0.975, 2) x std / sqrt(3)] (each seed)
+    assert table.loc["SFT ROUGE-L (validation)", "231K (pythia-tiny-s)"] == "0.350 [0.226, 0.474] (0.300, 0.400, 0.350)"
     checks = table["check"].to_dict()
     assert checks["SFT ROUGE-L (validation)"] == "rises with size"
     assert checks["RM accuracy, TL;DR validation"] == "rises with size"
@@ -51,8 +52,8 @@ def test_results_table_known_answers(plots_dir):
     assert checks["PPO gold-judge win rate"] == "rises with size"
     # PPO - SFT per seed: s -0.01 mean, m +0.05 (0.1, 0, 0.05), l +0.05 (0.15, 0.1, -0.1)
     gain = table.loc["PPO minus SFT win rate (same seed)"]
-    assert gain["659K (pythia-tiny-m)"] == "0.050 ± 0.050 (0.100, 0.000, 0.050)"
-    assert gain["1.73M (pythia-tiny-l)"].startswith("0.050 ± 0.132 (0.150, 0.100, -0.100)")
+    assert gain["659K (pythia-tiny-m)"] == "0.050 [-0.074, 0.174] (0.100, 0.000, 0.050)"
+    assert gain["1.73M (pythia-tiny-l)"].startswith("0.050 [-0.279, 0.379] (0.150, 0.100, -0.100)")
     assert gain["check"] == "PPO ahead at pythia-tiny-m, pythia-tiny-l"
     assert (plots_dir / "scaling_table.md").read_text().startswith("| metric |")
 

@@ -161,7 +161,7 @@ def test_dpo_beside_the_reward_model(tmp_path, capsys):
 
     table = read(out, "rm_scale_dpo_plot")
     assert list(table.columns) == ["split", "method", "base_model", "model_size", "n_seeds", "seeds", "values", "mean",
-                                   "std"]
+                                   "std", "ci_low", "ci_high"]
     check_rows(table, RM_DPO_ROWS)  # also the order: split, then reward model before DPO, then size
     assert table["model_size"].tolist() == [1_000_000_000, 2_800_000_000] * 4
     assert "| validation | DPO | EleutherAI/pythia-2.8b-deduped | 2800000000 | 2 | 1 3 | 0.66 0.7 | 0.6800 | 0.0283 |" in \

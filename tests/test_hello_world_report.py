@@ -89,12 +89,15 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     rows = dict(report.collect(args))
     assert rows["models"] == f"{models}/{{reward_model}}"
     assert rows["plots"] == f"{tmp_path / 'plots'} (2 plots: PNG, PDF, CSV, markdown)"
-    assert rows["SFT gold-judge win rate vs reference (2 prompts)"] == "0.500"
-    assert rows["PPO gold-judge win rate vs reference (2 prompts)"] == "1.000"
-    assert rows["DPO gold-judge win rate vs reference (2 prompts)"] == "0.000"
+    # each with its 95% Wilson interval over the 2 prompts
+    assert rows["SFT gold-judge win rate vs reference (2 prompts)"] == "0.500 [0.095, 0.905]"
+    assert rows["PPO gold-judge win rate vs reference (2 prompts)"] == "1.000 [0.342, 1.000]"
+    assert rows["DPO gold-judge win rate vs reference (2 prompts)"] == "0.000 [0.000, 0.658]"
+    # all losses: the length-controlled rate is ~0 whatever the lengths
+    assert rows["DPO length-controlled gold win rate"].startswith("0.000 [0.000, 0.000]")
     assert rows["DPO mean response length (tokens)"] == f"{len(tokenizer(poor)['input_ids']):.1f}"
     assert rows["PPO KL to the SFT policy (nats per response, last 5 updates)"] == "3.00"
-    assert rows["GRPO k=4 gold-judge win rate vs reference (2 prompts)"] == "0.500"
+    assert rows["GRPO k=4 gold-judge win rate vs reference (2 prompts)"] == "0.500 [0.095, 0.905]"
     assert rows["GRPO k=4 KL to the SFT policy (nats per response, last 5 updates)"] == "1.00"
     assert not any(what.startswith(("RLOO", "online DPO", "DPO KL")) for what in rows)  # no runs, no rows
     lengths = [len(tokenizer(r)["input_ids"]) for r in (good, poor)]
