@@ -20,8 +20,10 @@ freedom; no interval from one seed), the per-seed values, the win rate minus SFT
 with its interval and a verdict (`beats SFT` where the interval lies above 0, `below SFT` where it
 lies below, `not resolved` otherwise), and the seconds per update relative to PPO's.
 
-Writes to --out: compare_runs.{csv,md}, compare_table.{csv,md}, compare.{png,pdf} (one panel per
-measure: each seed a dot, the mean a bar with its 95% interval), runs_used_compare_table.{csv,md}.
+Writes to --out: compare_runs.{csv,md}, compare_table.{csv,md} (compare_table_full: every number),
+compare_phases.{csv,md} (the online methods' median seconds per update by phase, mean over seeds),
+compare.{png,pdf} (one panel per measure: each seed a dot, the mean a bar with its 95% interval),
+runs_used_compare_table.{csv,md}.
 """
 
 import json
@@ -72,6 +74,30 @@ def metric_values(folder: str, key: str) -> list:
     """Every logged value of one metric of a run, in order (metrics.jsonl: one dict per log call)."""
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         return [m[key] for m in map(json.loads, f) if m.get(key) is not None]
+
+
+def phase_seconds(folder: str) -> dict:
+    """{phase: median seconds per update} of every `time/<phase>` an online run logs (the PhaseTimer's
+    phases: generation, the reference, reward and value forwards, the training epochs, ...)."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        logged = [m for m in map(json.loads, f)]
+    phases = sorted({k for m in logged for k in m if k.startswith("time/") and k != "time/update"})
+    return {p.removeprefix("time/"): float(np.median([m[p] for m in logged if m.get(p) is not None])) for p in phases}
+
+
+def phase_table(per_run: pd.DataFrame, phases: dict) -> pd.DataFrame:
+    """Per online method (base_model, policy): the mean over its seeds of each run's median seconds per
+    phase, and of the whole update; where the time of a critic-free update goes, next to PPO's."""
+    rows = []
+    for (base_model, policy), frame in per_run.groupby(["base_model", "policy"], sort=False):
+        runs = [phases[name] for name in frame["run_name"] if phases.get(name)]
+        if not runs:
+            continue
+        names = sorted({p for run in runs for p in run})
+        rows.append({"base_model": base_model, "policy": policy,
+                     **{p: float(np.mean([run.get(p, 0.0) for run in runs])) for p in names},
+                     "update": float(frame["seconds_per_update"].mean())})
+    return pd.DataFrame(rows).fillna(0.0)
 
 
 def reward_model_of(runs: list) -> dict:
@@ -204,6 +230,9 @@ def main(args: Args) -> None:
     summary = summarize(per_run, order)
     write_table(summary, args.out, "compare_table_full")
     write_table(readable(summary), args.out, "compare_table")
+    phases = {run.name: phase_seconds(run.folder) for run in runs
+              if metric_values(run.folder, "objective/kl")}  # the online methods
+    write_table(phase_table(per_run, phases), args.out, "compare_phases")
     plot(per_run, summary, policy_colors(order), args.out)
 
 

@@ -70,6 +70,7 @@ from torch.utils.data import DataLoader
 from transformers import GenerationConfig
 
 from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches
+from summarize_from_feedback_details.synthetic_tldr import gold_validation_metrics
 from summarize_from_feedback_details.run_infra import (PhaseTimer, describe_frozen, enable_gradient_checkpointing,
                                                        frozen_dtype, load_policy, load_reward_model, load_split_dataset,
                                                        load_tokenizer, prepare_frozen, quantization, reference_policy,
@@ -522,20 +523,23 @@ def evaluate(accelerator: Accelerator, policy, reward_model, tokenizer, dataload
     return metrics, table
 
 
-def validate(run, reward_model, tokenizer, validation_batch: dict, generated: list, logger, update: int) -> float:
-    """The reward model's mean score, over all processes, of the policy's responses (`generated`,
-    from the batched decode) to this update's validation queries; every `print_sample_output_freq`
-    updates they are saved as `samples_<update>.csv` (full slices on every rank: nothing to
-    de-duplicate, and no dataloader state involved)."""
+def validate(run, reward_model, tokenizer, validation_batch: dict, generated: list, logger, update: int) -> dict:
+    """`objective/validation_score`, the reward model's mean score over all processes of the policy's
+    responses (`generated`, from the batched decode) to this update's validation queries, and on
+    synthetic data the gold judge's `eval/gold/*` of the same responses (the over-optimisation curve:
+    proxy and gold side by side); every `print_sample_output_freq` updates they are saved as
+    `samples_<update>.csv` (full slices on every rank: nothing to de-duplicate, and no dataloader state
+    involved)."""
     sample_rows, scores, _ = score_responses(run.accelerator, reward_model, tokenizer, validation_batch["query_token"],
                                              torch.cat([response for response, _ in generated]),
                                              validation_batch["reference_response_token"])
+    rows = gather_object(sample_rows)
     freq = run.args.print_sample_output_freq
     if freq and (update - 1) % freq == 0:
-        table = pd.DataFrame(gather_object(sample_rows))
+        table = pd.DataFrame(rows)
         logger.table(f"samples_{update}", table)
         run.print(f"update {update}: {table.iloc[0]['postprocessed_response']!r} (score {table.iloc[0]['scores']:.3f})")
-    return run.accelerator.gather(scores).mean().item()
+    return {"objective/validation_score": run.accelerator.gather(scores).mean().item(), **gold_validation_metrics(rows)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,7 +637,7 @@ def main(args: Args) -> None:
         validation_generated, rollout_generated = generated[:len(validation_groups)], generated[len(validation_groups):]
 
         with timer("validation"):  # the current policy's score on the held-out queries
-            validation_score = validate(run, reward_model, tokenizer, validation_batch, validation_generated, logger,
+            validation_metrics = validate(run, reward_model, tokenizer, validation_batch, validation_generated, logger,
                                         update)
 
         # ---- the reward model ranks each query's two samples ----------------------------------
@@ -692,7 +696,7 @@ def main(args: Args) -> None:
         # ---- logging ------------------------------------------------------------------------
         metrics = {
             **online_dpo_metrics(accelerator, torch.cat([step_stats, rollout_stats]), args.batch_size),
-            "objective/validation_score": validation_score,
+            **validation_metrics,
             "ppo/lr": lr_now,
             "ppo/episode": update * args.batch_size,
             "ppo/eps": (update - start_update) * args.batch_size / (time.time() - start),

@@ -27,6 +27,7 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import tyro
 
 
@@ -373,6 +374,34 @@ _TEMPLATE_TEXT = [
 ]
 KNOWN_WORDS = _known_words()
 _FILLER_SET = frozenset(FILLER_WORDS)
+# Every word of a generated post: the judge's vocabulary plus "they" and "need", which only posts use
+# (a scan of the default's 7000 posts finds no other), numbers and ages such as "25f". Real posts use
+# far more words (this repository's README: 28% of its words are here).
+POST_WORDS = KNOWN_WORDS | {"they", "need"}
+AGE_OR_NUMBER = re.compile(r"^\d+[mf]?$")
+
+
+def is_synthetic_post(query: str) -> bool:
+    """Whether a post (or a formatted query) could come from this generator: all its words are
+    POST_WORDS. The gold judge means something only for such posts."""
+    words = WORD_RE.findall(query.lower().replace("'", ""))
+    return bool(words) and all(w in POST_WORDS or AGE_OR_NUMBER.match(w) for w in words)
+
+
+def gold_validation_metrics(rows: list) -> dict:
+    """The gold judge on an online stage's validation rows (dicts with query, postprocessed_response,
+    reference_responses): `eval/gold/score` (mean gold score of the responses), `eval/gold/win_rate`
+    (against the references, ties half) and `eval/gold/reference_score`, the over-optimisation curve's
+    gold axis beside the reward model's `objective/validation_score` (DESIGN.md section 20). Empty
+    unless every post is synthetic: real data has no gold judge."""
+    if not rows or not all(is_synthetic_post(row["query"]) for row in rows):
+        return {}
+    return {
+        "eval/gold/score": float(np.mean([gold_score(r["query"], r["postprocessed_response"]) for r in rows])),
+        "eval/gold/win_rate": float(np.mean([gold_preference(r["query"], r["postprocessed_response"],
+                                                             r["reference_responses"]) for r in rows])),
+        "eval/gold/reference_score": float(np.mean([gold_score(r["query"], r["reference_responses"]) for r in rows])),
+    }
 
 
 def _obj(pronoun: str) -> str:

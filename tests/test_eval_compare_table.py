@@ -44,7 +44,8 @@ def write_run(runs_dir, exp_name, seed, wins, tokenizer_dir, reward_model_path):
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         if exp_name in SECONDS:
             for kl, seconds in zip(KL, SECONDS[exp_name] + [SECONDS[exp_name][-1]] * 4):
-                f.write(json.dumps({"objective/kl": kl, "time/update": seconds}) + "\n")
+                phases = {"time/generation": 1.0, **({"time/value_forward": 0.5} if exp_name == "ppo_left_padding" else {})}
+                f.write(json.dumps({"objective/kl": kl, "time/update": seconds, **phases}) + "\n")
         f.write(json.dumps({"loss": 0.1}) + "\n")
 
 
@@ -86,3 +87,8 @@ def test_compare_table_known_answers(tmp_path, checkpoints):
     assert "| pythia-tiny-m | PPO | 1 2 3 | 0.833 [" in readable and "| beats SFT |" in readable
     for ext in ("png", "pdf"):
         assert os.path.getsize(os.path.join(out, f"compare.{ext}")) > 0
+    # where the time goes, per online method: the median of each phase's seconds, mean over seeds
+    phases = pd.read_csv(os.path.join(out, "compare_phases.csv")).set_index("policy")
+    assert list(phases.index) == ["PPO", "RLOO k=2", "GRPO k=4"]
+    assert phases.loc["PPO", "update"] == pytest.approx(10.0) and phases.loc["PPO", "generation"] == pytest.approx(1.0)
+    assert phases.loc["RLOO k=2", "value_forward"] == 0.0 and phases.loc["PPO", "value_forward"] == pytest.approx(0.5)

@@ -179,7 +179,8 @@ def saved(workdir, name) -> dict:
 
 
 METRIC_NAMES = {
-    "objective/kl", "objective/entropy", "objective/scores", "objective/validation_score", "online_dpo/loss",
+    "objective/kl", "objective/entropy", "objective/scores", "objective/validation_score", "eval/gold/score",
+    "eval/gold/win_rate", "eval/gold/reference_score", "online_dpo/loss",
     "online_dpo/accuracy", "online_dpo/chosen_rewards", "online_dpo/rejected_rewards", "online_dpo/score_margin",
     "ppo/val/num_eos_tokens", "ppo/val/response_length", "ppo/lr", "ppo/episode", "ppo/eps", "time/update",
     "time/generation", "time/validation", "time/reward_forward", "time/reference_forward", "time/training",

@@ -642,7 +642,8 @@ def assert_same_params(a: dict, b: dict, rtol: float, atol: float) -> None:
 
 METRIC_NAMES = {
     "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/score_total",
-    "objective/scores", "objective/validation_score", "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg",
+    "objective/scores", "objective/validation_score", "eval/gold/score", "eval/gold/win_rate", "eval/gold/reference_score",
+    "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg",
     "ppo/loss/policy_avg", "ppo/loss/value_avg", "ppo/val/clipfrac_avg", "ppo/policy/entropy_avg", "ppo/val/ratio",
     "ppo/val/ratio_var", "ppo/val/ratio_first_minibatch", "ppo/policy/approxkl_first_minibatch",
     "ppo/policy/clipfrac_first_minibatch", "ppo/val/num_eos_tokens", "ppo/val/response_length", "ppo/lr",

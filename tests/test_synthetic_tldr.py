@@ -127,6 +127,26 @@ def test_gold_judge_known_answers():
     assert st.gold_score(query, perfect) == st.gold_score(post, perfect)
 
 
+def test_gold_validation_metrics_only_on_synthetic_posts(raw_dir):
+    """The online stages' eval/gold/* per update: every generated post is recognised, a real-looking
+    post (words outside the generator's) is not, and then nothing is logged."""
+    rows = read_jsonl(os.path.join(raw_dir, "tldr_sft", "validation.jsonl"))
+    queries = [f"SUBREDDIT: r/{r['subreddit']}\n\nTITLE: {r['title']}\n\nPOST: {r['post']}\n\nTL;DR:" for r in rows]
+    assert all(st.is_synthetic_post(q) for q in queries)
+    assert not st.is_synthetic_post("I (25F) adopted a kitten from the shelter yesterday and my landlord objects.")
+    post = ("I (25F) have lived with my roommate (27M) for 3 years.\n\nLately they has not paid rent in months. "
+            "I am so angry right now.\n\nShould I just move out?")
+    perfect = " my roommate of 3 years has not paid rent, I feel angry. should I move out?"
+    poor = " roommate owes rent."
+    table = [{"query": post, "postprocessed_response": perfect, "reference_responses": poor},
+             {"query": post, "postprocessed_response": poor, "reference_responses": poor}]
+    assert st.gold_validation_metrics(table) == pytest.approx(
+        {"eval/gold/score": (4.5 + 2.5) / 2, "eval/gold/win_rate": (1.0 + 0.5) / 2, "eval/gold/reference_score": 2.5})
+    real = [{"query": "My landlord objects to the kitten I adopted.", "postprocessed_response": "x",
+             "reference_responses": "y"}]
+    assert st.gold_validation_metrics(table + real) == {} and st.gold_validation_metrics([]) == {}
+
+
 def test_reward_gold_agreement_known_answers():
     post = ("I (25F) have lived with my roommate (27M) for 3 years.\n\nLately they has not paid rent in months. "
             "I am so angry right now.\n\nShould I just move out?")
