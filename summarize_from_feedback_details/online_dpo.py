@@ -204,6 +204,10 @@ class Args:
     """what a non-finite loss, gradient norm or rollout score does: `stop` ends the run (exit 1) naming the
     update, phase and tensor, saves no model and keeps the last checkpoint; `skip` skips that optimizer
     step (a rollout's: its update) and counts it (`nonfinite/skipped`)"""
+    warn: list[str] = field(default_factory=list)
+    """early warnings, off unless named (NAME=THRESHOLD each; one printed warning with the update, at the first
+    crossing): kl=X objective/kl above X, entropy=X objective/entropy below X, length_change=F the mean response
+    length off the first update's by more than the fraction F"""
 
     # tracking and output
     track: bool = False

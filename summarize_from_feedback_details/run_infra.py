@@ -822,6 +822,79 @@ def gather_global(accelerator: Accelerator, *tensors: torch.Tensor) -> list:
 # ---------------------------------------------------------------------------------------------
 
 
+# The online stages' early-warning signals (--warn NAME=THRESHOLD; DESIGN.md section 20): the metric each
+# reads and how it fires. They print, nothing else: the usual finding is that they audit after the fact,
+# which eval/overoptimization.py measures against the gold judge.
+WARNING_SIGNALS = {"kl": ("objective/kl", "above"), "entropy": ("objective/entropy", "below"),
+                   "length_change": ("ppo/val/response_length", "change")}
+
+
+def parse_warnings(entries: list) -> dict:
+    """{name: threshold} of --warn's NAME=THRESHOLD entries; an unknown name or a bad number is an error
+    before anything trains."""
+    thresholds = {}
+    for entry in entries:
+        name, _, value = entry.partition("=")
+        if name not in WARNING_SIGNALS:
+            raise ValueError(f"--warn {entry}: the signals are {', '.join(f'{n}=X' for n in WARNING_SIGNALS)}")
+        try:
+            thresholds[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--warn {entry}: {value!r} is not a number") from None
+        if name == "length_change" and thresholds[name] <= 0:
+            raise ValueError(f"--warn {entry}: the length change is a fraction above 0 (0.3: 30%)")
+    return thresholds
+
+
+def signal_fires(kind: str, threshold: float, value: float, first: float) -> bool:
+    """Whether a signal of `kind` (above, below, change) fires at `value`; `first` is its first update's
+    value (change: |value / first - 1| > threshold)."""
+    if kind == "above":
+        return value > threshold
+    if kind == "below":
+        return value < threshold
+    return first > 0 and abs(value / first - 1) > threshold
+
+
+def first_warning(history: list, name: str, threshold: float) -> Optional[int]:
+    """The index of the first value of a metric's history at which the signal `name` fires (None: never);
+    what --warn would have printed, computed afterwards from metrics.jsonl."""
+    kind = WARNING_SIGNALS[name][1]
+    for i, value in enumerate(history):
+        if signal_fires(kind, threshold, value, history[0]):
+            return i
+    return None
+
+
+class EarlyWarnings:
+    """--warn's signals during a run: each fires once, at the first update that crosses its threshold,
+    with a message naming the update, the metric, its value and the threshold. Its state (the first
+    update's values, what fired) goes into the checkpoint, so a resumed run warns as the uninterrupted one."""
+
+    def __init__(self, thresholds: dict, state: Optional[dict] = None):
+        self.thresholds = thresholds
+        self.first = dict(state["first"]) if state else {}
+        self.fired = dict(state["fired"]) if state else {}
+
+    def check(self, metrics: dict, step: int) -> list:
+        messages = []
+        for name, threshold in self.thresholds.items():
+            metric, kind = WARNING_SIGNALS[name]
+            if metric not in metrics or name in self.fired:
+                continue
+            value = metrics[metric]
+            first = self.first.setdefault(metric, value)
+            if signal_fires(kind, threshold, value, first):
+                self.fired[name] = step
+                what = {"above": f"above {threshold:g}", "below": f"below {threshold:g}",
+                        "change": f"{value / first - 1:+.0%} from the first update's {first:.4g}"}[kind]
+                messages.append(f"early warning at update {step}: {metric} {value:.4g} {what} (--warn {name}={threshold:g})")
+        return messages
+
+    def state(self) -> dict:
+        return {"first": self.first, "fired": self.fired}
+
+
 class Logger:
     """TensorBoard + metrics.jsonl (+ wandb: scalars via TensorBoard sync, and the eval tables) on the
     main process only. `resume` (the `state()` a checkpoint kept) continues a run where it stood:
@@ -840,6 +913,7 @@ class Logger:
         self.latest: dict = {}
         self.skip_nonfinite = getattr(args, "on_nonfinite", "stop") == "skip"
         self.nonfinite_skipped = resume.get("nonfinite_skipped", 0) if resume else 0
+        self.warnings = EarlyWarnings(parse_warnings(getattr(args, "warn", [])), resume.get("warnings") if resume else None)
         if not self.main:
             return
         if args.track:
@@ -865,8 +939,11 @@ class Logger:
         if self.skip_nonfinite:
             metrics = {**metrics, "nonfinite/skipped": self.nonfinite_skipped}
         self.latest.update(metrics)
+        fired = self.warnings.check(metrics, step)
         if not self.main:
             return
+        for message in fired:
+            Console(soft_wrap=True).print(f"[bold yellow]WARNING:[/] {message}", highlight=False)
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
         # strict JSON: a non-finite value is null (json.dumps would write NaN, which strict readers refuse)
@@ -878,7 +955,7 @@ class Logger:
     def state(self) -> dict:
         """Where the logs stand (main process): what a checkpoint keeps to continue them."""
         return {"jsonl_bytes": self.jsonl.tell(), "last_step": self.last_step, "wandb_id": self.wandb_id,
-                "nonfinite_skipped": self.nonfinite_skipped}
+                "nonfinite_skipped": self.nonfinite_skipped, "warnings": self.warnings.state()}
 
     def table(self, name: str, frame: pd.DataFrame) -> None:
         if self.main:

@@ -408,6 +408,18 @@ def test_an_lr_0_update_has_ratio_1_and_clips_nothing(tiny_datasets, checkpoints
         assert all(torch.equal(saved[k], sft[k]) for k in sft)
 
 
+def test_early_warnings_print_with_their_update(tiny_datasets, checkpoints, tmp_path, capfd):
+    """--warn: a signal crossed at the first update prints once, naming update, metric and threshold; one
+    never crossed prints nothing (the run and its metrics are those of a run without --warn)."""
+    args = tiny_args(tiny_datasets, checkpoints, str(tmp_path), "warn", local_micro_batch_size=4,
+                     gradient_accumulation_steps=1, local_eval_batch_size=2,
+                     **{**BASE, "total_episodes": 16, "warn": ["kl=-1", "entropy=-1"]})
+    run_rloo(args, str(tmp_path))
+    out = capfd.readouterr().out
+    assert out.count("early warning at update 1: objective/kl") == 1 and "(--warn kl=-1)" in out
+    assert "objective/entropy" not in out.split("early warning")[-1].split("\n")[0] and out.count("early warning") == 1
+
+
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo"])
 def test_grpo_moves_the_weights_and_logs_its_metrics(tiny_datasets, checkpoints, tmp_path, loss):
     """GRPO, 2 queries x 4 samples per update: advantages of mean 0 in each group, of sample std ~ 1 with

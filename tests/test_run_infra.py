@@ -2,6 +2,7 @@
 sitting, define none of it and repeat none of it; and known answers of the pieces the stages call."""
 
 import ast
+import json
 import os
 import pathlib
 import types
@@ -400,3 +401,32 @@ def test_no_library_noise_on_the_command_line():
         assert process.returncode == 0 and out.startswith("usage:"), (stage, out[:500])
         for noise in ("gemm_4bit", "kernels-community", "Setting accelerator", "WARNING"):
             assert noise not in out, (stage, noise)
+
+
+def test_early_warnings_fire_once_at_the_first_crossing_and_survive_a_resume():
+    thresholds = run_infra.parse_warnings(["kl=2", "entropy=0.5", "length_change=0.25"])
+    assert thresholds == {"kl": 2.0, "entropy": 0.5, "length_change": 0.25}
+    history = [  # (objective/kl, objective/entropy, ppo/val/response_length) per update
+        (0.1, 1.0, 20.0), (1.5, 0.8, 22.0), (2.5, 0.6, 26.0), (3.0, 0.4, 30.0), (1.0, 0.3, 31.0)]
+    warnings = run_infra.EarlyWarnings(thresholds)
+    fired = {}
+    for update, (kl, entropy, length) in enumerate(history, start=1):
+        metrics = {"objective/kl": kl, "objective/entropy": entropy, "ppo/val/response_length": length}
+        for message in warnings.check(metrics, update):
+            fired.setdefault(update, []).append(message)
+        if update == 2:  # a checkpoint here: the resumed run goes on from its state
+            warnings = run_infra.EarlyWarnings(thresholds, json.loads(json.dumps(warnings.state())))
+    # kl above 2 first at update 3; entropy below 0.5 at 4; length 26 / 20 - 1 = +30% > 25% at 3; each once
+    assert {u: len(m) for u, m in fired.items()} == {3: 2, 4: 1}
+    assert fired[3][0] == "early warning at update 3: objective/kl 2.5 above 2 (--warn kl=2)"
+    assert fired[3][1] == ("early warning at update 3: ppo/val/response_length 26 +30% from the first update's 20 "
+                           "(--warn length_change=0.25)")
+    assert "objective/entropy 0.4 below 0.5" in fired[4][0]
+    # the same rule afterwards, from a metric's history (eval/overoptimization.py)
+    assert run_infra.first_warning([h[0] for h in history], "kl", 2.0) == 2
+    assert run_infra.first_warning([h[2] for h in history], "length_change", 0.25) == 2
+    assert run_infra.first_warning([h[1] for h in history], "entropy", 0.1) is None
+    for bad, message in ((["loss=1"], "the signals are kl=X, entropy=X, length_change=X"), (["kl=high"], "not a number"),
+                         (["length_change=0"], "a fraction above 0")):
+        with pytest.raises(ValueError, match=message):
+            run_infra.parse_warnings(bad)
