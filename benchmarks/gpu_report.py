@@ -17,8 +17,9 @@ the next one runs):
    bandwidth floor (the policy's weights and its batch's KV cache at the real context length, read
    once per step);
 3. `trl`: the same shape, ours and TRL 1.12's PPOTrainer side by side (ratio min / median / max);
-4. `drift`: the log-probabilities of the same sampled tokens scored in fp32 and in bf16 (a
-   random-init policy of the same shape): how far bf16 moves PPO's ratio before any update.
+4. `drift`: benchmarks/logprob_drift.py at the same shape (a random-init policy, 16 queries x 512 +
+   53): the same sampled tokens scored at batch 1 and 16 in fp32, bf16 and fp16, against fp32 at
+   batch 1: how far the batch shape and the dtype move PPO's ratio before any update.
 Output: <out>/report.md (the GPU, the versions, each step's status, time and numbers), the CSVs of
 steps 2 and 3, and the logs. Without CUDA it says so and exits 1, running nothing.
 """
@@ -35,12 +36,9 @@ from dataclasses import dataclass
 import torch
 import tyro
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from summarize_from_feedback_details.run_infra import cuda_problem, nvidia_smi_gpus
 
-from summarize_from_feedback_details import ppo_left_padding as ppo  # noqa: E402
-from summarize_from_feedback_details import rollout  # noqa: E402
-from summarize_from_feedback_details.run_infra import cuda_problem, nvidia_smi_gpus  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -51,8 +49,6 @@ class Args:
     """run the plumbing on the CPU at tiny shapes, without the GPU tests (what make test checks)"""
     shape: str = "pythia-1b"
     """the benchmark and drift shape (benchmarks/ppo_speed.py's names)"""
-    drift_only: bool = False
-    """(step 4 runs this file again with it: only the drift of --shape, into --out)"""
 
 
 @dataclass
@@ -65,6 +61,7 @@ class Step:
 def steps(args: Args) -> list:
     """The report's commands. A GPU machine: the paper's per-GPU shapes; --smoke: tiny ones on the CPU."""
     python, speed = sys.executable, os.path.join(REPO, "benchmarks", "ppo_speed.py")
+    drift = os.path.join(REPO, "benchmarks", "logprob_drift.py")
     out = os.path.abspath(args.out)
     if args.smoke:
         shape = ["--shapes", "tiny-s", "--batch_size", "4", "--query_length", "16", "--response_length", "8",
@@ -75,8 +72,9 @@ def steps(args: Args) -> list:
                                "--out", os.path.join(out, "speed")], "seconds per update at tiny-s (smoke)"),
                 Step("trl", [python, speed, "--mode", "trl", *shape, "--rounds", "1", "--out",
                              os.path.join(out, "trl")], "ours vs TRL at tiny-s (smoke)"),
-                Step("drift", [python, __file__, "--drift_only", "--shape", "tiny-s", "--out", out],
-                     "bf16 drift at tiny-s (smoke)")]
+                Step("drift", [python, drift, "--model", "tiny-s", "--rows", "4", "--query_length", "16",
+                               "--response_length", "8", "--out", os.path.join(out, "drift")],
+                     "log-prob drift at tiny-s (smoke)")]
     paper = ["--shapes", args.shape, "--query_length", "512", "--response_length", "53", "--batch_size", "64",
              "--eval_batch_size", "8"]
     return [Step("test_gpu", [python, "-m", "pytest", "-q", "-s", "-rs", "-m", "gpu", os.path.join(REPO, "tests")],
@@ -86,46 +84,8 @@ def steps(args: Args) -> list:
                  f"seconds per update at {args.shape}, 64 queries x 512 + 53 tokens, bf16"),
             Step("trl", [python, speed, "--mode", "trl", *paper, "--rounds", "2", "--out", os.path.join(out, "trl")],
                  f"ours vs TRL 1.12 at {args.shape}, the same settings"),
-            Step("drift", [python, __file__, "--drift_only", "--shape", args.shape, "--out", out],
-                 f"bf16 drift at {args.shape}")]
-
-
-@torch.no_grad()
-def logprob_drift(shape: str, out: str, rows: int = 16, query_length: int = 512, response_length: int = 53) -> dict:
-    """Responses sampled (T 0.7) from a random-init policy of `shape` for random left-padded queries,
-    then the same tokens scored by the fp32 policy and by its bf16 copy: |delta logprob| over the
-    response tokens. Written to <out>/drift.csv."""
-    import ppo_speed
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if shape.startswith("tiny"):
-        query_length, response_length, rows = 16, 8, 4
-    torch.manual_seed(0)
-    policy = ppo_speed.AutoModelForCausalLM.from_config(ppo_speed.model_config(shape)).to(device).eval()
-    vocab = policy.config.vocab_size
-    queries = torch.randint(2, vocab, (rows, query_length), generator=torch.Generator().manual_seed(0)).to(device)
-    for i in range(rows):
-        queries[i, : i * query_length // (2 * rows)] = 1  # [PAD]: left padding of varied amounts
-    ((responses, _),) = rollout.decode(policy, [rollout.SamplingGroup(queries, 0.7, 0)], 1, response_length)
-    query_responses = torch.cat([queries, responses], 1)
-
-    def logprobs(model):
-        logits = ppo.response_logits(model, query_responses, 1, response_length)
-        return ppo.gather_logprobs(ppo.scaled_logits(logits, 0.7, 1), responses)
-
-    fp32 = logprobs(policy)
-    bf16 = logprobs(policy.to(torch.bfloat16))
-    delta = (bf16 - fp32).abs()
-    result = {"shape": shape, "device": device, "rows": rows, "query_length": query_length,
-              "response_length": response_length, "max_abs_delta": delta.max().item(),
-              "mean_abs_delta": delta.mean().item(), "frac_above_0.1": (delta > 0.1).float().mean().item(),
-              # the PPO ratio of the first minibatch if the rollout were bf16 and the training fp32
-              "max_ratio_minus_1": (torch.exp(delta) - 1).max().item()}
-    with open(os.path.join(out, "drift.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(result))
-        writer.writeheader()
-        writer.writerow(result)
-    return result
+            Step("drift", [python, drift, "--model", args.shape, "--out", os.path.join(out, "drift")],
+                 f"log-prob drift at {args.shape}: batch 1 vs 16, fp32 / bf16 / fp16")]
 
 
 def markdown_table(path: str, columns: list) -> str:
@@ -152,7 +112,7 @@ SPEED_COLUMNS = ["shape", "strategy", "processes", "micro_batch", "precision", "
                  "time/ppo_epochs", "tokens_per_s", "utilisation", "decode_ms_per_step", "floor_ms_per_step",
                  "peak_memory_gib", "status"]
 TRL_COLUMNS = ["shape", "round", "update", "ours_s", "trl_s", "ratio_trl_over_ours"]
-DRIFT_COLUMNS = ["shape", "device", "rows", "max_abs_delta", "mean_abs_delta", "frac_above_0.1", "max_ratio_minus_1"]
+DRIFT_COLUMNS = ["dtype", "batch", "tokens", "share_outside_0.9_1.1", "max_abs_log_ratio", "mean_abs_log_ratio"]
 
 
 def section(step: Step, result: dict, out: str) -> str:
@@ -167,7 +127,7 @@ def section(step: Step, result: dict, out: str) -> str:
         return head + "```\n" + "\n".join(lines) + "\n```\n"
     tables = {"speed": (os.path.join(out, "speed", "ppo_speed.csv"), SPEED_COLUMNS),
               "trl": (os.path.join(out, "trl", "trl_side_by_side.csv"), TRL_COLUMNS),
-              "drift": (os.path.join(out, "drift.csv"), DRIFT_COLUMNS)}
+              "drift": (os.path.join(out, "drift", "logprob_drift.csv"), DRIFT_COLUMNS)}
     return head + markdown_table(*tables[step.name]) + "\n"
 
 
@@ -205,8 +165,4 @@ def main(args: Args) -> int:
 
 
 if __name__ == "__main__":
-    arguments = tyro.cli(Args)
-    if arguments.drift_only:
-        print(logprob_drift(arguments.shape, arguments.out))
-    else:
-        sys.exit(main(arguments))
+    sys.exit(main(tyro.cli(Args)))

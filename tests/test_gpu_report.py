@@ -24,7 +24,7 @@ def test_without_cuda_it_says_so_and_runs_nothing(tmp_path):
 
 def test_the_gpu_plan_is_the_papers_per_gpu_share():
     """On a GPU: make test-gpu, then ppo_speed at Pythia-1B with 64 queries x 512 + 53 tokens (one GPU's
-    share of the paper's 512), one process and ZeRO-2, then ours vs TRL, then the bf16 drift."""
+    share of the paper's 512), one process and ZeRO-2, then ours vs TRL, then the log-prob drift."""
     plan = {step.name: step.command for step in gpu_report.steps(gpu_report.Args(out="r"))}
     assert list(plan) == ["test_gpu", "speed", "trl", "drift"]
     assert plan["test_gpu"][1:7] == ["-m", "pytest", "-q", "-s", "-rs", "-m"] and plan["test_gpu"][7] == "gpu"
@@ -32,7 +32,8 @@ def test_the_gpu_plan_is_the_papers_per_gpu_share():
         command = " ".join(plan[name])
         assert "--shapes pythia-1b --query_length 512 --response_length 53 --batch_size 64" in command
     assert "--strategies single zero2" in " ".join(plan["speed"]) and "--mode trl" in " ".join(plan["trl"])
-    assert plan["drift"][-4:] == ["--shape", "pythia-1b", "--out", os.path.abspath("r")]
+    assert plan["drift"][1].endswith("benchmarks/logprob_drift.py")
+    assert plan["drift"][2:] == ["--model", "pythia-1b", "--out", os.path.join(os.path.abspath("r"), "drift")]
 
 
 @pytest.mark.slow
@@ -46,4 +47,5 @@ def test_smoke_report_on_the_cpu(tmp_path):
     assert report.count("\nok in ") == 4 and "FAILED" not in report
     assert "| tiny-s | single | 1 | 4 | fp32 |" in report and "1 passed" in report
     drift = report[report.index("## drift"):]
-    assert "| tiny-s | cpu | 4 |" in drift
+    # the same tokens at batch 1 and 4 in each dtype the CPU runs, against fp32 at batch 1 (0 there)
+    assert "| fp32 | 1 | 32 | 0 | 0 | 0 |" in drift and "| bf16 | 4 | 32 |" in drift
