@@ -35,24 +35,9 @@ SIZES=${SIZES:-"s m l"}
 SEEDS=${SEEDS:-"1 2 3"}
 SLURM=${SLURM:-auto}
 OUT=eval/images/scaling
-force=()
-for arg in "$@"; do
-    case "$arg" in
-        --force) force=(--force) ;;
-        *) echo "usage: [SIZES=\"s m l\"] [SEEDS=\"1 2 3\"] [SLURM=auto|0|1] $0 [--force]" >&2; exit 2 ;;
-    esac
-done
-read -ra sizes <<<"$SIZES"
-read -ra seeds <<<"$SEEDS"
-for size in ${sizes[@]+"${sizes[@]}"}; do
-    [[ $size =~ ^[a-z]+$ ]] || { echo "SIZES: '$size' is not a tiny size name (s, m, l)" >&2; exit 2; }
-done
-for seed in ${seeds[@]+"${seeds[@]}"}; do
-    [[ $seed =~ ^[0-9]+$ ]] || { echo "SEEDS: '$seed' is not a seed" >&2; exit 2; }
-done
-if (( ${#sizes[@]} == 0 || ${#seeds[@]} == 0 )); then
-    echo "SIZES and SEEDS must name at least one size and one seed" >&2; exit 2
-fi
+# shellcheck source=sweep_args.sh
+source ./sweep_args.sh
+parse_sweep_args "[SIZES=\"s m l\"] [SEEDS=\"1 2 3\"] [SLURM=auto|0|1]" "$@"
 case $SLURM in
     auto) if command -v sinfo >/dev/null && sinfo -h >/dev/null 2>&1; then SLURM=1; else SLURM=0; fi ;;
     1) command -v sinfo >/dev/null && sinfo -h >/dev/null ||
@@ -62,10 +47,7 @@ case $SLURM in
 esac
 
 ./hello_world.sh --data
-for size in ${sizes[@]+"${sizes[@]}"}; do
-    [[ -d models/tiny/pythia-tiny-$size ]] ||
-        { echo "no base model models/tiny/pythia-tiny-$size (the tiny sizes are those of tiny_models.SIZES)" >&2; exit 2; }
-done
+check_base_models
 start=$SECONDS
 total=$((${#sizes[@]} * ${#seeds[@]}))
 runs_dir=runs

@@ -53,7 +53,7 @@ class Args:
     """the dtypes to score in (one the device cannot run is reported and skipped)"""
     device: Optional[str] = None
     """default: cuda when there is one, else cpu"""
-    out: str = "benchmarks/results/logprob_drift"
+    out: str = "runs/logprob_drift"
     """folder for logprob_drift.{csv,md}"""
 
 

@@ -88,7 +88,7 @@ class ChatJudgeConfig:
     both_orders: bool = True
     """ask each pair twice, the policy's summary as A and as B (each order its own cached prompt); two
     verdicts that disagree (the judge followed the position, not the summary) count as a tie, and their
-    share is reported as the flip rate. --chat.no-both-orders asks one order, from the seeded coin"""
+    share is reported as the flip rate. --chat.no_both_orders asks one order, from the seeded coin"""
     paper_parsing: bool = False
     """read verdicts as the paper's oai.py did, to compare with its numbers: one order (the coin), the
     first reply's text after `Preferred:` must be exactly A or B to count for the policy (so "A."

@@ -2,7 +2,7 @@
 SFT policy, update by update (Gao et al. 2022), and how early the usual warning signals fire.
 
     python eval/overoptimization.py --run_glob 'overopt_*' --out eval/images/overoptimization \
-        --warn kl=4 entropy=0.5 length_change=0.3
+        --warn kl=3 entropy=3 length_change=0.3
 
 Reads the local runs of the online stages (ppo_left_padding.py, rloo.py, online_dpo.py) that logged the
 gold judge per update (`eval/gold/score`: synthetic data only) beside `objective/validation_score` (the
@@ -45,7 +45,7 @@ class Args:
     """only runs whose name matches this shell pattern"""
     smooth: int = 9
     """updates in the centred moving average of the curves (1: none)"""
-    warn: list[str] = field(default_factory=lambda: ["kl=4", "entropy=0.5", "length_change=0.3"])
+    warn: list[str] = field(default_factory=lambda: ["kl=3", "entropy=3", "length_change=0.3"])
     """the signals to time against the gold peak, NAME=THRESHOLD as the stages' --warn"""
     out: str = "eval/images/overoptimization"
     """folder for the plot (PNG, PDF) and the tables (CSV, markdown)"""
@@ -107,8 +107,11 @@ def main(args: Args) -> None:
                          "synthetic data)")
     summary = pd.DataFrame([{"run": name, **peak_summary(history, args.smooth)} for name, history in runs.items()])
     write_table(summary, args.out, "overoptimization")
-    write_table(pd.DataFrame([row for name, history in runs.items() for row in warning_rows(
-        name, history, thresholds, int(summary.set_index("run").loc[name, "peak_update"]))]), args.out, "warnings")
+    warnings = pd.DataFrame([row for name, history in runs.items() for row in warning_rows(
+        name, history, thresholds, int(summary.set_index("run").loc[name, "peak_update"]))])
+    for column in ("fired_at_update", "updates_before_peak"):  # whole updates; empty: never fired
+        warnings[column] = warnings[column].map(lambda v: "" if pd.isna(v) else int(v))
+    write_table(warnings, args.out, "warnings")
 
     fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4.2), squeeze=False)
     for ax, (name, history) in zip(axes[0], runs.items()):

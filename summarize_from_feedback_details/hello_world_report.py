@@ -163,7 +163,7 @@ def main(args: Args) -> None:
         console.width = 120
     console.print(table)
     console.print("[x, y]: 95% intervals over the validation prompts (win rate: Wilson; length-controlled: "
-                  "bootstrap); ties count half")
+                  "bootstrap); ties count half", markup=False, highlight=False)
 
 
 if __name__ == "__main__":

@@ -265,7 +265,8 @@ with open(os.environ["RECORD"], "a") as f:
 
 @pytest.fixture
 def scaling_checkout(tmp_path):
-    shutil.copy(os.path.join(ROOT, "scaling.sh"), tmp_path / "scaling.sh")
+    for name in ("scaling.sh", "compare.sh", "sweep_args.sh"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     executable(tmp_path / "hello_world.sh", HELLO_WORLD_RECORDER)
     executable(tmp_path / ".venv/bin/python", RECORDER)
     for size in "sml":
@@ -324,8 +325,6 @@ def test_compare_runs_every_method_per_seed_through_hello_world_then_the_table(s
     """compare.sh (make compare): hello_world.sh with ALGOS=all under make scaling's names (so its SFT,
     reward model and PPO are reused), tiny-m x seeds 1 2 3 by default; then the plots and the table of
     every seed found of those sizes."""
-    shutil.copy(os.path.join(ROOT, "compare.sh"), scaling_checkout / "compare.sh")
-
     def run_compare(*flags, **env):
         record = scaling_checkout / "record.jsonl"
         record.unlink(missing_ok=True)
