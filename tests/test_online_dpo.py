@@ -23,6 +23,7 @@ from summarize_from_feedback_details import ppo_left_padding as ppo
 PAD, EOS = 1, 0  # the tiny tokenizer's ids (Pythia: [PAD] 50277, EOS 0)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "online_dpo.py")
+DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu.yaml")
 KEY = "gpt_neox.layers.0.attention.dense.weight"  # a weight every run trains (LoRA: an adapted one)
 
 
@@ -430,18 +431,23 @@ RUN_REL, RUN_ABS = 1e-4, 1e-6
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(split_runs):
-    """micro2's run on two processes (DDP over gloo; micro-batch 2 x accumulation 2 each, the same
-    global batch of 8 and validation batch of 4): the same metrics and weights. The samples of a
-    query come from its chunk's seeds on whichever rank it lands."""
+@pytest.mark.parametrize("deepspeed", [False, True], ids=["ddp", "zero2"])
+def test_two_processes_match_one_process(split_runs, deepspeed):
+    """micro2's run on two processes (micro-batch 2 x accumulation 2 each, the same global batch of 8
+    and validation batch of 4), under DDP over gloo and under DeepSpeed ZeRO-2 (the frozen reference
+    and reward model as inference engines): the same metrics and weights. The samples of a query come
+    from its chunk's seeds on whichever rank it lands."""
     workdir, args, runs = split_runs
     one, p_one = runs[2]
-    two_args = args("two", gradient_accumulation_steps=2, local_eval_batch_size=2)
-    result = run_script(accelerate_launcher(2) + [SCRIPT, *flags(two_args)], workdir, OMP_NUM_THREADS="1")
+    name = "zero2" if deepspeed else "two"
+    two_args = args(name, gradient_accumulation_steps=2, local_eval_batch_size=2, deepspeed=deepspeed)
+    launcher = accelerate_launcher(2, DS_CONFIG if deepspeed else None)
+    result = run_script(launcher + [SCRIPT, *flags(two_args)], workdir, OMP_NUM_THREADS="1")
     assert "world_size 2 x local_micro_batch_size 2 x gradient_accumulation_steps 2 = batch_size 8 episodes" in \
         " ".join(result.stdout.split())
-    assert_same_metrics(one, read_metrics(workdir, "two"), RUN_REL, RUN_ABS)
-    assert_same_params(p_one, saved(workdir, "two"), rtol=1e-4, atol=1e-6)
+    assert ("DeepSpeed engine: ZeRO-2" in result.stdout) == deepspeed
+    assert_same_metrics(one, read_metrics(workdir, name), RUN_REL, RUN_ABS)
+    assert_same_params(p_one, saved(workdir, name), rtol=1e-4, atol=1e-6)
 
 
 def test_lora_reference_is_exact_and_the_merged_policy_is_saved(quick_eval_data, checkpoints, tmp_path):

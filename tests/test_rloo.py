@@ -23,6 +23,7 @@ from summarize_from_feedback_details import rloo, rollout, run_infra
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "rloo.py")
+DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu.yaml")
 # the helpers rloo.py shares with PPO: copies, kept identical (DESIGN section 1)
 COPIED_FROM_PPO = ("epoch_permutations", "first_true_indices", "truncate_response", "forward", "generation_config",
                    "without_stop_ids", "generate", "scaled_logits", "gather_logprobs", "entropy_from_logits",
@@ -353,16 +354,21 @@ def test_micro_batch_split_gives_the_same_update(base_run, tiny_datasets, checkp
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(base_run, tiny_datasets, checkpoints):
-    """BASE on two processes (2 queries each, micro-batch 2): each query's samples on one process, from the
-    same seeds; the minibatches drawn from the gathered global batch."""
+@pytest.mark.parametrize("deepspeed", [False, True], ids=["ddp", "zero2"])
+def test_two_processes_match_one_process(base_run, tiny_datasets, checkpoints, deepspeed):
+    """BASE on two processes (2 queries each, micro-batch 2), under DDP and under DeepSpeed ZeRO-2 (the frozen
+    reference and reward model as inference engines): each query's samples on one process, from the same seeds;
+    the minibatches drawn from the gathered global batch."""
     workdir, _, metrics, params, _ = base_run
-    args = tiny_args(tiny_datasets, checkpoints, workdir, "two", local_micro_batch_size=2,
-                     gradient_accumulation_steps=1, local_eval_batch_size=2, **BASE)
-    result = run_script(accelerate_launcher(2) + [SCRIPT, *flags(args)], workdir, OMP_NUM_THREADS="1")
+    name = "zero2" if deepspeed else "two"
+    args = tiny_args(tiny_datasets, checkpoints, workdir, name, local_micro_batch_size=2,
+                     gradient_accumulation_steps=1, local_eval_batch_size=2, deepspeed=deepspeed, **BASE)
+    launcher = accelerate_launcher(2, DS_CONFIG if deepspeed else None)
+    result = run_script(launcher + [SCRIPT, *flags(args)], workdir, OMP_NUM_THREADS="1")
     assert "world_size 2" in result.stdout and "4 queries x rloo_k 2" in " ".join(result.stdout.split())
-    assert_same_metrics(training_lines(metrics), read_metrics(workdir, "two"), RUN_REL, RUN_ABS, CLIPFRAC_ABS)
-    assert_same_params(params, load_file(os.path.join(workdir, "two", "model.safetensors")), rtol=1e-4, atol=1e-6)
+    assert ("DeepSpeed engine: ZeRO-2" in result.stdout) == deepspeed
+    assert_same_metrics(training_lines(metrics), read_metrics(workdir, name), RUN_REL, RUN_ABS, CLIPFRAC_ABS)
+    assert_same_params(params, load_file(os.path.join(workdir, name, "model.safetensors")), rtol=1e-4, atol=1e-6)
 
 
 def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(base_run, tiny_datasets, checkpoints,
