@@ -70,17 +70,20 @@ MEASURES = {"win_rate": "gold-judge win rate vs reference", "rm_score": "reward-
             "seconds_per_update": "seconds per update"}
 
 
-def metric_values(folder: str, key: str) -> list:
-    """Every logged value of one metric of a run, in order (metrics.jsonl: one dict per log call)."""
+def read_logged(folder: str) -> list:
+    """A run's metrics.jsonl: one dict per log call, in order (read once per run)."""
     with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [m[key] for m in map(json.loads, f) if m.get(key) is not None]
+        return [json.loads(line) for line in f]
 
 
-def phase_seconds(folder: str) -> dict:
+def metric_values(logged: list, key: str) -> list:
+    """Every logged value of one metric, in order (null ones, non-finite when logged, left out)."""
+    return [m[key] for m in logged if m.get(key) is not None]
+
+
+def phase_seconds(logged: list) -> dict:
     """{phase: median seconds per update} of every `time/<phase>` an online run logs (the PhaseTimer's
     phases: generation, the reference, reward and value forwards, the training epochs, ...)."""
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        logged = [m for m in map(json.loads, f)]
     phases = sorted({k for m in logged for k in m if k.startswith("time/") and k != "time/update"})
     return {p.removeprefix("time/"): float(np.median([m[p] for m in logged if m.get(p) is not None])) for p in phases}
 
@@ -125,12 +128,13 @@ def score_table(table: pd.DataFrame, reward_model_path: Optional[str], loaded: d
     return float(reward_scores(model, tokenizer, list(table["query"]), list(table["postprocessed_response"])).mean())
 
 
-def run_row(run, label: str, reward_model_path: Optional[str], last_updates: int, loaded: dict, tokenizers: dict) -> dict:
+def run_row(run, logged: list, label: str, reward_model_path: Optional[str], last_updates: int, loaded: dict,
+            tokenizers: dict) -> dict:
     table = pd.read_csv(os.path.join(run.folder, "validation_table.csv"), keep_default_na=False)
     rows = list(zip(table["query"].astype(str), table["postprocessed_response"].astype(str),
                     table["reference_responses"].astype(str)))
-    kl = metric_values(run.folder, "objective/kl")[-last_updates:]
-    seconds = metric_values(run.folder, "time/update") if kl else []  # online methods only
+    kl = metric_values(logged, "objective/kl")[-last_updates:]
+    seconds = metric_values(logged, "time/update") if kl else []  # online methods only
     tokenizer = run_tokenizer(run, None, tokenizers)
     win_rate = win_counts(gold_verdicts(rows))["win_rate"]
     ci_low, ci_high = wilson_interval(win_rate, len(rows))
@@ -220,9 +224,11 @@ def main(args: Args) -> None:
     if not runs:
         raise SystemExit(f"no run with a validation table in {where}")
     reward_models, loaded, tokenizers = reward_model_of(runs), {}, {}
+    logged = {run.name: read_logged(run.folder) for run in runs}
     per_run = pd.DataFrame([
-        run_row(run, labels[run.config["exp_name"]], reward_models.get((run.config["base_model"], run.config["seed"])),
-                args.last_updates, loaded, tokenizers) for run in runs])
+        run_row(run, logged[run.name], labels[run.config["exp_name"]],
+                reward_models.get((run.config["base_model"], run.config["seed"])), args.last_updates, loaded,
+                tokenizers) for run in runs])
     order = [label for label in labels.values() if label in set(per_run["policy"])]
     per_run = per_run.assign(_rank=per_run["policy"].map(order.index)).sort_values(
         ["base_model", "_rank", "seed"], kind="stable").drop(columns="_rank").reset_index(drop=True)
@@ -230,8 +236,8 @@ def main(args: Args) -> None:
     summary = summarize(per_run, order)
     write_table(summary, args.out, "compare_table_full")
     write_table(readable(summary), args.out, "compare_table")
-    phases = {run.name: phase_seconds(run.folder) for run in runs
-              if metric_values(run.folder, "objective/kl")}  # the online methods
+    phases = {name: phase_seconds(lines) for name, lines in logged.items()
+              if metric_values(lines, "objective/kl")}  # the online methods
     write_table(phase_table(per_run, phases), args.out, "compare_phases")
     plot(per_run, summary, policy_colors(order), args.out)
 
