@@ -36,7 +36,10 @@ algorithm, the way MFU does, so an implementation that skips work does not lower
 where tokens are query + response positions (padding included) of the global batch, params are the
 matmul parameters (everything but the input embedding, which is a lookup), generation counts one
 forward per position (prefill + decode with a KV cache), and attention's sequence-quadratic FLOPs are
-left out (about 6% of a 160m model's at 181 tokens, less for larger models). Utilisation is achieved
+left out (about 6% of a 160m model's at 181 tokens, less for larger models). `epoch util` is the PPO
+epochs' term alone over rank 0's `time/ppo_epochs` (the epochs' forwards, backwards and optimizer
+steps). Packing computes fewer positions than the count (it skips the padding), so a packed row's
+utilisation reads as a padded-equivalent rate. Utilisation is achieved
 FLOP/s over the peak measured here: the best of a few square matmuls (fp32 on CPU, bf16 on a GPU)
 with the same thread count (CPU: threads x processes, capped at the cores), x processes on GPUs.
 `--variants full lora`: each setting with every weight trained and with the stage's LoRA
@@ -72,6 +75,11 @@ run in the same round, and the ratio TRL seconds / ours seconds (> 1: ours is fa
 its min / median / max over the pairs. TRL's phases come from timing its module-level
 `batch_generation`, `forward` (under no_grad: the reference) and `get_reward` (value or reward model).
 
+`--forwards padded packed compiled`: each setting with the stage's padded forwards (`--no_packing`),
+its default packed ones (real tokens only), and packed with `--compile_train`; in `--mode trl` each of
+them runs against the round's TRL run. The side-by-side rows carry `padding_share`: padding's share of
+the positions a padded scoring or training forward computes on the benchmark's batch.
+
 Output in `--out`: ppo_speed.csv (+ ppo_speed.png) and trl_side_by_side.csv (+ trl_side_by_side.png).
 Timings on a machine shared with other work are noisy; compare numbers from one run.
 """
@@ -103,7 +111,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tyro  # noqa: E402
-from datasets import Dataset, DatasetDict  # noqa: E402
+from datasets import Dataset, DatasetDict, load_from_disk  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from tokenizers import Tokenizer, models  # noqa: E402
@@ -133,6 +141,9 @@ class Args:
     """full: every weight of policy and critic trains; lora: the stage's --use_peft (adapters on every
     linear layer, the critic's head in full, the reference = the policy with its adapter disabled)"""
     lora_r: int = 16
+    forwards: list[Literal["padded", "packed", "compiled"]] = field(default_factory=lambda: ["packed"])
+    """the stage's scoring and training forwards: padded (--no_packing), packed (the default: real tokens
+    only) or compiled (packed and --compile_train); each a setting of its own, in both modes"""
     """per-process micro-batch sizes, capped at the per-process batch (which each must divide)"""
     num_processes: int = 2
     """processes of the ddp / zero2 strategies (one GPU each on GPUs)"""
@@ -407,6 +418,12 @@ def flops_per_update(policy_params: int, critic_params: int, batch_size: int, ev
     return trained + rollout + validation
 
 
+def epoch_flops(policy_params: int, critic_params: int, batch_size: int, query_length: int, response_length: int,
+                epochs: int) -> float:
+    """The PPO epochs' share of `flops_per_update`: 6 x (policy + critic params) x tokens x epochs."""
+    return 6 * (policy_params + critic_params) * batch_size * (query_length + response_length) * epochs
+
+
 # ---------------------------------------------------------------------------------------------
 # ours: ppo_left_padding.py through its CLI
 # ---------------------------------------------------------------------------------------------
@@ -421,6 +438,7 @@ class Setting:
     micro_batch_size: int
     threads: int
     variant: str = "full"
+    forwards: str = "packed"
 
 
 def stage_args(args: Args, setting: Setting, sft_path: str, rm_path: str, dataset: str, run_name: str) -> ppo.Args:
@@ -439,6 +457,7 @@ def stage_args(args: Args, setting: Setting, sft_path: str, rm_path: str, datase
     stage.ppo.noptepochs = args.noptepochs
     if setting.variant == "lora":
         stage.use_peft, stage.lora_r = True, args.lora_r
+    stage.packing, stage.compile_train = setting.forwards != "padded", setting.forwards == "compiled"
     return stage
 
 
@@ -603,7 +622,7 @@ def measure_ours(args: Args, setting: Setting, workdir: str, device: str, consol
     dataset = build_query_dataset(args.cache_dir, args.batch_size, args.query_length, args.response_length,
                                   config.vocab_size, args.seed)
     name = (f"{setting.shape}_{setting.strategy}{setting.num_processes}_mb{setting.micro_batch_size}_"
-            f"{setting.variant}_{time.time_ns()}")
+            f"{setting.variant}_{setting.forwards}_{time.time_ns()}")
     stage = stage_args(args, setting, sft_path, rm_path, dataset, name)
     peak = math.nan  # (a launched run's processes are not this one)
     if setting.strategy == "single":
@@ -639,7 +658,7 @@ def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak:
                                    2 if device == "cuda" else 4)
     return {
         "shape": setting.shape, "params": total_params(setting.shape), "strategy": setting.strategy,
-        "variant": setting.variant, "trainable_params": trainable_params(setting.shape, setting.variant, args.lora_r),
+        "variant": setting.variant, "forwards": setting.forwards, "trainable_params": trainable_params(setting.shape, setting.variant, args.lora_r),
         "peak_memory_gib": measured["peak_memory_gib"],
         "processes": setting.num_processes, "micro_batch": setting.micro_batch_size, "batch": args.batch_size,
         "query_length": args.query_length, "response_length": args.response_length, "device": device,
@@ -653,7 +672,12 @@ def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak:
         "decode_ms_per_step": (1e3 * generation / args.response_length) if generation else math.nan,
         "floor_ms_per_step": 1e3 * step_bytes / bandwidth, "bandwidth_gb_s": bandwidth / 1e9,  # (per process)
         "tflop_per_update": flops / 1e12, "achieved_tflops": flops / median / 1e12, "peak_tflops": peak / 1e12,
-        "utilisation": flops / median / peak, "status": "ok",
+        "utilisation": flops / median / peak,
+        # the epochs alone: their FLOPs over rank 0's `time/ppo_epochs` (forward, backward, optimizer steps)
+        "epoch_utilisation": (epoch_flops(policy_params, critic_params, args.batch_size, args.query_length,
+                                          args.response_length, args.noptepochs) / phases["time/ppo_epochs"] / peak
+                              if phases.get("time/ppo_epochs") else math.nan),
+        "status": "ok",
     }
 
 
@@ -670,8 +694,8 @@ def speed_settings(args: Args, device: str) -> list:
             # a micro-batch larger than a process's share of the batch means "all of it"
             for micro in dict.fromkeys(min(m, local_batch) for m in args.micro_batch_sizes):
                 for variant in args.variants:
-                    settings.append(Setting(shape, strategy, processes, micro, args.threads or default_threads,
-                                            variant))
+                    settings += [Setting(shape, strategy, processes, micro, args.threads or default_threads, variant,
+                                         forwards) for forwards in args.forwards]
     return settings
 
 
@@ -714,7 +738,8 @@ def run_speed(args: Args, device: str, console: Console) -> list:
     rows, peaks, bandwidths = [], {}, {}
     for setting in speed_settings(args, device):
         base = {"shape": setting.shape, "strategy": setting.strategy, "processes": setting.num_processes,
-                "micro_batch": setting.micro_batch_size, "variant": setting.variant, "device": device}
+                "micro_batch": setting.micro_batch_size, "variant": setting.variant, "forwards": setting.forwards,
+                "device": device}
         problem = check_setting(args, setting)
         if problem:
             rows.append({**base, "status": f"skipped: {problem}"})
@@ -845,20 +870,31 @@ def run_trl(args: Args, shape: str, micro_batch_size: int, threads: int, device:
                                                for k in sorted({k for u in per_update for k in u})}}
 
 
+def padding_share(dataset: str, response_length: int) -> float:
+    """Padding's share of the positions a padded scoring or training forward computes on the train
+    batch: queries without the columns every row pads, then full-length responses (random weights
+    almost never sample EOS, so the reward model's rows are as long)."""
+    real = np.array(load_from_disk(dataset)["train"]["query_token"]) != PAD_ID
+    real = real[:, real.any(0).argmax():]
+    responses = len(real) * response_length
+    return 1 - (real.sum() + responses) / (real.size + responses)
+
+
 def measure_ours_side_by_side(args: Args, shape: str, micro_batch_size: int, threads: int, device: str,
-                              workdir: str) -> dict:
+                              workdir: str, forwards: str) -> dict:
     """One ppo_left_padding run in this process; seconds between the ends of consecutive updates
     (as TRL's), the stage's own phases."""
     config = model_config(shape)
     sft_path, rm_path = build_checkpoints(shape, args.cache_dir, args.seed)
     dataset = build_query_dataset(args.cache_dir, args.batch_size, args.query_length, args.response_length,
                                   config.vocab_size, args.seed)
-    name = f"{shape}_vs_trl_{time.time_ns()}"
-    setting = Setting(shape, "single", 1, micro_batch_size, threads)
+    name = f"{shape}_{forwards}_vs_trl_{time.time_ns()}"
+    setting = Setting(shape, "single", 1, micro_batch_size, threads, forwards=forwards)
     times = run_ours_in_process(stage_args(args, setting, sft_path, rm_path, dataset, name), workdir, device, threads)
     metrics = read_metrics(workdir, name)
     return {"seconds": np.diff(times).tolist(), "phases": phase_seconds(metrics[1:]),
-            "stage_seconds": [m["time/update"] for m in metrics[1:]]}
+            "stage_seconds": [m["time/update"] for m in metrics[1:]],
+            "padding_share": padding_share(dataset, args.response_length)}
 
 
 def ratio_line(shape: str, ours: list, trl: list) -> str:
@@ -878,27 +914,35 @@ def run_side_by_side(args: Args, device: str, console: Console) -> list:
     workdir = os.path.join(args.out, "work")
     for shape in args.shapes:
         for round_ in range(args.rounds):
-            order = ("ours", "trl") if round_ % 2 == 0 else ("trl", "ours")
+            # every forwards setting of ours against the round's TRL run; the order flips every round
+            sides = [*args.forwards, "trl"] if round_ % 2 == 0 else ["trl", *args.forwards]
             measured = {}
-            for side in order:
-                console.print(f"[bold]{shape}[/] round {round_ + 1}: {side}", highlight=False)
-                run = measure_ours_side_by_side if side == "ours" else run_trl
-                measured[side] = run(args, shape, micro, threads, device, workdir)
-            for k, (o, t) in enumerate(zip(measured["ours"]["seconds"], measured["trl"]["seconds"])):
-                row = {"shape": shape, "params": total_params(shape), "round": round_ + 1, "update": k + 2,
-                       "first": order[0], "device": device, "threads": threads, "micro_batch": micro,
-                       "batch": args.batch_size, "ours_s": o, "trl_s": t, "ratio_trl_over_ours": t / o,
-                       # the stage's own time/update (its loop body minus logging), for comparison
-                       "stage_time_update": measured["ours"]["stage_seconds"][k]}
-                for side, seconds in (("ours", o), ("trl", t)):
-                    phases = {p: v[k] for p, v in measured[side]["phases"].items()}
-                    row.update({f"{side}_{p}": v for p, v in phases.items()})
-                    row[f"{side}_other"] = seconds - sum(phases.values())
-                rows.append(row)
-        paired = [r for r in rows if r["shape"] == shape]
-        print_side_by_side_phases(paired, console)
-        console.print(ratio_line(shape, [r["ours_s"] for r in paired], [r["trl_s"] for r in paired]),
-                      highlight=False, soft_wrap=True)
+            for side in sides:
+                console.print(f"[bold]{shape}[/] round {round_ + 1}: {'TRL' if side == 'trl' else f'ours, {side}'}",
+                              highlight=False)
+                if side == "trl":
+                    measured[side] = run_trl(args, shape, micro, threads, device, workdir)
+                else:
+                    measured[side] = measure_ours_side_by_side(args, shape, micro, threads, device, workdir, side)
+            for forwards in args.forwards:
+                ours, trl = measured[forwards], measured["trl"]
+                for k, (o, t) in enumerate(zip(ours["seconds"], trl["seconds"])):
+                    row = {"shape": shape, "params": total_params(shape), "forwards": forwards, "round": round_ + 1,
+                           "update": k + 2, "first": sides[0], "device": device, "threads": threads,
+                           "micro_batch": micro, "batch": args.batch_size, "padding_share": ours["padding_share"],
+                           "ours_s": o, "trl_s": t, "ratio_trl_over_ours": t / o,
+                           # the stage's own time/update (its loop body minus logging), for comparison
+                           "stage_time_update": ours["stage_seconds"][k]}
+                    for side, side_measured, seconds in (("ours", ours, o), ("trl", trl, t)):
+                        phases = {p: v[k] for p, v in side_measured["phases"].items()}
+                        row.update({f"{side}_{p}": v for p, v in phases.items()})
+                        row[f"{side}_other"] = seconds - sum(phases.values())
+                    rows.append(row)
+        for forwards in args.forwards:
+            paired = [r for r in rows if r["shape"] == shape and r["forwards"] == forwards]
+            print_side_by_side_phases(paired, console)
+            console.print(ratio_line(f"{shape}, {forwards}", [r["ours_s"] for r in paired],
+                                     [r["trl_s"] for r in paired]), highlight=False, soft_wrap=True)
     return rows
 
 
@@ -930,11 +974,11 @@ def ordered_phases(names) -> list:
 def print_speed_table(rows: list, console: Console) -> None:
     phases = ordered_phases(k[len("time/"):] for row in rows for k in row if k.startswith("time/"))
     table = Table(title="ppo_left_padding.py: seconds per update (median over the measured updates)")
-    for column in ["shape", "params", "strategy", "variant", "trainable", "proc", "micro", "s/update",
+    for column in ["shape", "params", "strategy", "variant", "forwards", "trainable", "proc", "micro", "s/update",
                    *[PHASE_LABELS.get(p, p) for p in phases], "other", "tok/s", "gen tok/s", "ms/step",
-                   "floor ms", "TFLOP/upd", "util", "peak GiB",
+                   "floor ms", "TFLOP/upd", "util", "epoch util", "peak GiB",
                    "status"]:
-        text = column in ("shape", "strategy", "variant", "status")
+        text = column in ("shape", "strategy", "variant", "forwards", "status")
         table.add_column(column, justify="left" if text else "right", no_wrap=column != "status")
     for row in rows:
         ok = row.get("status") == "ok"
@@ -942,13 +986,14 @@ def print_speed_table(rows: list, console: Console) -> None:
         def number(value, fmt):
             return format(value, fmt) if ok and value is not None and not math.isnan(value) else "-"
 
-        table.add_row(row["shape"], f"{total_params(row['shape']) / 1e6:.1f}M", row["strategy"], row["variant"],
+        table.add_row(row["shape"], f"{total_params(row['shape']) / 1e6:.1f}M", row["strategy"], row["variant"], row["forwards"],
                       f"{row['trainable_params'] / 1e6:.2f}M" if ok else "-",
                       str(row["processes"]), str(row["micro_batch"]), number(row.get("s_per_update"), ".3f"),
                       *[number(row.get(f"time/{p}"), ".3f") for p in phases], number(row.get("other_s"), ".3f"),
                       number(row.get("tokens_per_s"), ".0f"), number(row.get("generated_tokens_per_s"), ".0f"),
                       number(row.get("decode_ms_per_step"), ".2f"), number(row.get("floor_ms_per_step"), ".2f"),
                       number(row.get("tflop_per_update"), ".4f"), f"{row['utilisation']:.1%}" if ok else "-",
+                      f"{row['epoch_utilisation']:.1%}" if ok else "-",
                       number(row.get("peak_memory_gib"), ".2f"), row["status"])
     # a wide console even in a pipe or a log: the table has a column per phase
     Console(width=max(console.width, 180)).print(table)
@@ -957,7 +1002,8 @@ def print_speed_table(rows: list, console: Console) -> None:
 def print_side_by_side_phases(rows: list, console: Console) -> None:
     """Median seconds per phase of each side (TRL's `other`: its PPO epochs, GAE and logging; ours'
     `other`: logging and what its phases leave out)."""
-    table = Table(title=f"{rows[0]['shape']}: median seconds per update and phase")
+    table = Table(title=f"{rows[0]['shape']}, ours {rows[0]['forwards']} (padding {rows[0]['padding_share']:.0%} of "
+                        f"a padded forward's positions): median seconds per update and phase")
     for column in ("phase", "ours", "TRL 1.12"):
         table.add_column(column, justify="left" if column == "phase" else "right")
     for phase in ordered_phases(k.split("_", 1)[1] for r in rows for k in r
@@ -975,7 +1021,8 @@ def plot_speed(rows: list, path: str) -> None:
     if not rows:
         return
     phases = ordered_phases(k[len("time/"):] for r in rows for k in r if k.startswith("time/"))
-    labels = [f"{r['shape']} {r['strategy']} x{r['processes']} mb{r['micro_batch']} {r['variant']}" for r in rows]
+    labels = [f"{r['shape']} {r['strategy']} x{r['processes']} mb{r['micro_batch']} {r['variant']} {r['forwards']}"
+              for r in rows]
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.8))
     left = np.zeros(len(rows))
     for phase in phases + ["other"]:
@@ -991,16 +1038,20 @@ def plot_speed(rows: list, path: str) -> None:
 
 
 def plot_side_by_side(rows: list, path: str) -> None:
-    """Seconds per update of ours and TRL per paired update, one panel per shape."""
+    """Seconds per update of ours (each forwards setting) and TRL per paired update, one panel per shape."""
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     if not shapes:
         return
     fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 3.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         mine = [r for r in rows if r["shape"] == shape]
-        ax.plot([r["ours_s"] for r in mine], "o-", label="ppo_left_padding.py")
-        ax.plot([r["trl_s"] for r in mine], "s-", label="TRL 1.12 PPOTrainer")
-        ax.set_title(f"{shape}: median ratio {statistics.median(r['ratio_trl_over_ours'] for r in mine):.2f}")
+        settings = list(dict.fromkeys(r["forwards"] for r in mine))
+        for forwards in settings:
+            ours = [r for r in mine if r["forwards"] == forwards]
+            ratio = statistics.median(r["ratio_trl_over_ours"] for r in ours)
+            ax.plot([r["ours_s"] for r in ours], "o-", label=f"ppo_left_padding.py, {forwards} (x{ratio:.2f})")
+        ax.plot([r["trl_s"] for r in mine if r["forwards"] == settings[0]], "s-", label="TRL 1.12 PPOTrainer")
+        ax.set_title(f"{shape}: TRL / ours, median per paired update")
         ax.set_xlabel("paired update")
         ax.set_ylabel("seconds per update")
         ax.set_ylim(bottom=0)

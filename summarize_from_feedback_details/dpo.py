@@ -43,9 +43,10 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 # (run_infra before transformers' optimization module: it quiets the libraries' import noise)
+from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.run_infra import (PhaseTimer, describe_frozen, enable_gradient_checkpointing,
                                                        frozen_dtype, load_policy, load_split_dataset, load_tokenizer,
-                                                       prepare_frozen, quantization, reference_policy,
+                                                       make_optimizer, prepare_frozen, quantization, reference_policy,
                                                        require_splits, start_run, trainable_parameters, with_lora)
 from transformers import GenerationConfig, get_scheduler  # noqa: E402
 
@@ -99,6 +100,8 @@ class Args:
     """pairs (implicit-reward eval) or queries (generation) per process in the final eval"""
     total_episodes: Optional[int] = None
     """defaults to len(train split) * num_train_epochs"""
+    packing: bool = True
+    """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute, the same update"""
 
@@ -237,15 +240,18 @@ def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torc
     return torch.masked_fill(responses, after, pad_id)
 
 
-def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0):
-    """Pad ids become a valid id and are masked out; positions count real tokens only (so left
-    padding changes nothing, also for models with absolute positions). No KV cache: nothing
-    generates from this pass, and a cache would hold every layer's keys and values.
-    `logits_to_keep` N > 0: logits of the last N positions only (the LM head runs on those alone)."""
+def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0) -> torch.Tensor:
+    """Logits. Pad ids become a valid id and are masked out; positions count real tokens only (so left
+    padding changes nothing, also for models with absolute positions). No KV cache: nothing generates
+    from this pass. `logits_to_keep` N > 0: the last N positions only (the LM head runs on those alone).
+    --packing: real tokens only (packing.py; zeros at padding)."""
     attention_mask = input_ids != pad_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, use_cache=False, logits_to_keep=logits_to_keep, return_dict=True)
+    input_ids = torch.masked_fill(input_ids, ~attention_mask, 0)
+    if packing.is_on(model):
+        return packing.lm_logits(model, input_ids, attention_mask, position_ids, logits_to_keep)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                 logits_to_keep=logits_to_keep, return_dict=True).logits
 
 
 def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
@@ -294,6 +300,15 @@ def check_dpo_args(args: Args) -> None:
                          "reference is the policy with its adapter disabled)")
 
 
+def response_window(labels: torch.Tensor, pad_id: int) -> int:
+    """How many trailing columns a loss over the non-pad `labels` reads: from the column before the
+    first one where any row has a label. The LM head runs on those only: with response labels (queries
+    left-padded to one length) the response positions, not a 512-token query's (at a 50k vocabulary,
+    most of a micro-batch's logits memory)."""
+    first_label = int((labels != pad_id).any(0).int().argmax())
+    return min(labels.shape[1] - first_label + 1, labels.shape[1])
+
+
 def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor, pad_id: int) -> torch.Tensor:
     """Each row's summed log-probability of the tokens of `labels` that are not pad, each given the
     tokens before it. With the response-label columns, query and padding are pad: exactly the
@@ -308,9 +323,11 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor, pad_id: int) -
 def pair_logprobs(model, chosen: torch.Tensor, rejected: torch.Tensor, chosen_labels: torch.Tensor,
                   rejected_labels: torch.Tensor, pad_id: int) -> tuple:
     """Summed response log-probs of the chosen and the rejected rows, in ONE forward pass
-    (concatenated along the batch)."""
-    logits = forward(model, torch.cat([chosen, rejected]), pad_id).logits
-    logprobs = sequence_logprobs(logits, torch.cat([chosen_labels, rejected_labels]), pad_id)
+    (concatenated along the batch), the LM head at the response positions only."""
+    labels = torch.cat([chosen_labels, rejected_labels])
+    keep = response_window(labels, pad_id)
+    logits = forward(model, torch.cat([chosen, rejected]), pad_id, logits_to_keep=keep)
+    logprobs = sequence_logprobs(logits, labels[:, -keep:], pad_id)
     return logprobs[: len(chosen)], logprobs[len(chosen):]
 
 
@@ -434,10 +451,9 @@ def main(args: Args) -> None:
         ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+    packing.enable(args.packing, model, ref_policy)
     run.print(f"policy: {trainable_parameters(model)}")
-    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
-                                weight_decay=args.weight_decay)
+    optimizer = make_optimizer(args, model)
     scheduler = get_scheduler(args.scheduler, optimizer=optimizer, num_warmup_steps=args.warm_up_steps,
                               num_training_steps=args.num_updates)
 

@@ -45,8 +45,9 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 # (run_infra before transformers' optimization module: it quiets the libraries' import noise)
+from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.run_infra import (PhaseTimer, enable_gradient_checkpointing, load_reward_model,
-                                                       load_split_dataset, load_tokenizer, quantization,
+                                                       load_split_dataset, load_tokenizer, make_optimizer, quantization,
                                                        require_splits, start_run, trainable_parameters, with_lora)
 from transformers import get_scheduler  # noqa: E402
 
@@ -98,6 +99,8 @@ class Args:
     """pairs per process in eval and rows per process in the normalisation pass"""
     total_episodes: Optional[int] = None
     """defaults to len(train split) * num_train_epochs"""
+    packing: bool = True
+    """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute, the same update"""
 
@@ -226,9 +229,11 @@ def get_reward(model, query_responses: torch.Tensor, pad_id: int) -> torch.Tenso
     left or right padding changes nothing, also for models with absolute positions. Unlike the
     causal-LM `forward` of sft.py, pad ids are NOT replaced by 0 here: HF's sequence-classification
     head finds the token to read by looking for `config.pad_token_id`, and [PAD] is a valid row of
-    the (resized) embedding whose value is masked out anyway."""
+    the (resized) embedding whose value is masked out anyway. --packing: real tokens only (packing.py)."""
     attention_mask = query_responses != pad_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    if packing.is_on(model):
+        return packing.last_token_scores(model, query_responses, attention_mask, position_ids)
     output = model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False, return_dict=True)
     return output.logits.squeeze(-1)
@@ -468,10 +473,9 @@ def main(args: Args) -> None:
         model = with_lora(model, args, head="score")
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    packing.enable(args.packing, model)
     run.print(f"model: {trainable_parameters(model)}")
-    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
-    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
-                                weight_decay=args.weight_decay)
+    optimizer = make_optimizer(args, model)
     scheduler = get_scheduler(args.scheduler, optimizer=optimizer, num_warmup_steps=args.warm_up_steps,
                               num_training_steps=args.num_updates)
 

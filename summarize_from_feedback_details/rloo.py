@@ -74,13 +74,14 @@ from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig
 
+from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches
 from summarize_from_feedback_details.synthetic_tldr import gold_validation_metrics
 from summarize_from_feedback_details.run_infra import (PhaseTimer, describe_frozen, enable_gradient_checkpointing,
                                                        frozen_dtype, gather_global, load_policy, load_reward_model,
-                                                       load_split_dataset, load_tokenizer, prepare_frozen, quantization,
-                                                       reference_policy, require_splits, start_run,
-                                                       trainable_parameters, with_lora)
+                                                       load_split_dataset, load_tokenizer, make_optimizer,
+                                                       prepare_frozen, quantization, reference_policy, require_splits,
+                                                       start_run, trainable_parameters, with_lora)
 
 
 @dataclass
@@ -184,6 +185,10 @@ class Args:
     """rows per batched decode: the update's validation chunks and rollout chunks (a chunk's k samples in turn),
     packed whole in that order (default: the validation queries plus rloo_k chunks). A memory knob: it changes
     no sample"""
+    packing: bool = True
+    """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
+    compile_train: bool = False
+    """the packed forwards (and backward) of the trained model(s) under torch.compile (packing.py)"""
     compile_decode: bool = True
     """on a GPU, run the decode step under torch.compile with CUDA graphs (mode reduce-overhead) when the weights
     are in the compute dtype; CPU runs, and autocast over fp32 weights, decode eagerly"""
@@ -322,15 +327,18 @@ def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torc
     return torch.masked_fill(responses, after, pad_id)
 
 
-def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0):
-    """Pad ids become a valid id and are masked out; positions count real tokens only (so left
-    padding changes nothing, also for models with absolute positions). No KV cache: nothing
-    generates from this pass, and a cache would hold every layer's keys and values.
-    `logits_to_keep` N > 0: logits of the last N positions only (the LM head runs on those alone)."""
+def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0) -> torch.Tensor:
+    """Logits. Pad ids become a valid id and are masked out; positions count real tokens only (so left
+    padding changes nothing, also for models with absolute positions). No KV cache: nothing generates
+    from this pass. `logits_to_keep` N > 0: the last N positions only (the LM head runs on those alone).
+    --packing: real tokens only (packing.py; zeros at padding)."""
     attention_mask = input_ids != pad_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, use_cache=False, logits_to_keep=logits_to_keep, return_dict=True)
+    input_ids = torch.masked_fill(input_ids, ~attention_mask, 0)
+    if packing.is_on(model):
+        return packing.lm_logits(model, input_ids, attention_mask, position_ids, logits_to_keep)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                 logits_to_keep=logits_to_keep, return_dict=True).logits
 
 
 def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
@@ -386,19 +394,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
 
 
-def without_shared_padding(query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """The batch without its leading columns that are padding in every row: they are masked out of
-    attention and do not count in positions, so computing them changes nothing but the time."""
-    first_real_column = (query_responses != pad_id).any(0).int().argmax()
-    return query_responses[:, first_real_column:]
-
-
 def response_logits(model, query_responses: torch.Tensor, pad_id: int, response_length: int) -> torch.Tensor:
     """The logits that predict the response tokens, [batch, response_length, vocab]: the LM head
     runs on those positions only (at a 50k vocabulary, the largest matrix of a small model), and
     padding shared by every row is not computed."""
-    query_responses = without_shared_padding(query_responses, pad_id)
-    return forward(model, query_responses, pad_id, logits_to_keep=response_length + 1).logits[:, :-1]
+    query_responses = packing.without_shared_padding(query_responses, pad_id)
+    return forward(model, query_responses, pad_id, logits_to_keep=response_length + 1)[:, :-1]
 
 
 def get_reward(model, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -408,9 +409,11 @@ def get_reward(model, query_responses: torch.Tensor, pad_id: int) -> torch.Tenso
     left or right padding changes nothing, also for models with absolute positions. Unlike the
     causal-LM `forward` of sft.py, pad ids are NOT replaced by 0 here: HF's sequence-classification
     head finds the token to read by looking for `config.pad_token_id`, and [PAD] is a valid row of
-    the (resized) embedding whose value is masked out anyway."""
+    the (resized) embedding whose value is masked out anyway. --packing: real tokens only (packing.py)."""
     attention_mask = query_responses != pad_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    if packing.is_on(model):
+        return packing.last_token_scores(model, query_responses, attention_mask, position_ids)
     output = model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False, return_dict=True)
     return output.logits.squeeze(-1)
@@ -637,6 +640,8 @@ def load_rloo_models(run, tokenizer) -> tuple:
         ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
+    packing.enable(args.packing, policy, ref_policy, reward_model)
+    packing.compile_for_training(args.compile_train, run.print, policy)
     run.print(f"policy: {trainable_parameters(policy)}")
     return policy, ref_policy, reward_model
 
@@ -703,9 +708,7 @@ def main(args: Args) -> None:
     tokenizer = load_tokenizer(args.base_model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     policy, ref_policy, reward_model = load_rloo_models(run, tokenizer)
-    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
-    optimizer = optimizer_class([p for p in policy.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
-                                weight_decay=args.weight_decay)
+    optimizer = make_optimizer(args, policy)
 
     # One explicit query order for every rank and world size; accelerate hands rank r the local
     # batches r, r + world_size, ..., so the global batch of queries of update u is

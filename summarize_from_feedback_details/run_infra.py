@@ -370,6 +370,17 @@ def describe_frozen(model) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def make_optimizer(args, model) -> torch.optim.Optimizer:
+    """`--optimizer` over the trainable parameters with --lr, --eps and --weight_decay (adamw:
+    decoupled weight decay; adam: torch's Adam, which adds the decay to the gradient). Under
+    --compile_train torch's fused kernel (one kernel per step where the default loops over tensors on
+    a CPU; the same update to float noise, tests/test_packing.py)."""
+    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+    fused = {"fused": True} if getattr(args, "compile_train", False) else {}
+    return optimizer_class([p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
+                           weight_decay=args.weight_decay, **fused)
+
+
 def clipping_norm(max_grad_norm: Optional[float]) -> Optional[float]:
     """The gradient norm to clip at, or None for no clipping (unset or <= 0). torch's
     clip_grad_norm_ at 0 would zero every gradient, and DeepSpeed reads 0 as "off": this makes both

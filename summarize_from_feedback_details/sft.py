@@ -29,8 +29,9 @@ from rouge_score import rouge_scorer
 from torch.utils.data import DataLoader
 
 # (run_infra before transformers' optimization module: it quiets the libraries' import noise)
+from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.run_infra import (PhaseTimer, enable_gradient_checkpointing, load_policy,
-                                                       load_split_dataset, load_tokenizer, quantization,
+                                                       load_split_dataset, load_tokenizer, make_optimizer, quantization,
                                                        require_splits, start_run, trainable_parameters, with_lora)
 from transformers import GenerationConfig, get_scheduler  # noqa: E402
 
@@ -82,6 +83,8 @@ class Args:
     """queries per process in each batch of the eval (loss, generation, ROUGE) and of the sample generation"""
     total_episodes: Optional[int] = None
     """defaults to len(train split) * num_train_epochs; more than one pass reshuffles per pass"""
+    packing: bool = True
+    """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute, the same update"""
 
@@ -206,15 +209,18 @@ def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torc
     return torch.masked_fill(responses, after, pad_id)
 
 
-def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0):
-    """Pad ids become a valid id and are masked out; positions count real tokens only (so left
-    padding changes nothing, also for models with absolute positions). No KV cache: nothing
-    generates from this pass, and a cache would hold every layer's keys and values.
-    `logits_to_keep` N > 0: logits of the last N positions only (the LM head runs on those alone)."""
+def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0) -> torch.Tensor:
+    """Logits. Pad ids become a valid id and are masked out; positions count real tokens only (so left
+    padding changes nothing, also for models with absolute positions). No KV cache: nothing generates
+    from this pass. `logits_to_keep` N > 0: the last N positions only (the LM head runs on those alone).
+    --packing: real tokens only (packing.py; zeros at padding)."""
     attention_mask = input_ids != pad_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return model(input_ids=torch.masked_fill(input_ids, ~attention_mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, use_cache=False, logits_to_keep=logits_to_keep, return_dict=True)
+    input_ids = torch.masked_fill(input_ids, ~attention_mask, 0)
+    if packing.is_on(model):
+        return packing.lm_logits(model, input_ids, attention_mask, position_ids, logits_to_keep)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                 logits_to_keep=logits_to_keep, return_dict=True).logits
 
 
 def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
@@ -252,12 +258,27 @@ def generate(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig
     return responses
 
 
+def response_window(labels: torch.Tensor, pad_id: int) -> int:
+    """How many trailing columns a loss over the non-pad `labels` reads: from the column before the
+    first one where any row has a label. The LM head runs on those only: with response labels (queries
+    left-padded to one length) the response positions, not a 512-token query's (at a 50k vocabulary,
+    most of a micro-batch's logits memory)."""
+    first_label = int((labels != pad_id).any(0).int().argmax())
+    return min(labels.shape[1] - first_label + 1, labels.shape[1])
+
+
 def sequence_losses(logits: torch.Tensor, labels: torch.Tensor, pad_id: int) -> tuple:
     """Per-sequence sum of next-token cross-entropy over non-pad labels, and the target counts."""
     targets = labels[:, 1:]
     mask = targets != pad_id
     token_loss = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets.masked_fill(~mask, 0), reduction="none")
     return (token_loss * mask).sum(1), mask.sum(1)
+
+
+def label_losses(model, input_ids: torch.Tensor, labels: torch.Tensor, pad_id: int) -> tuple:
+    """`sequence_losses` of `labels` with logits only where a label is read (`response_window`)."""
+    keep = response_window(labels, pad_id)
+    return sequence_losses(forward(model, input_ids, pad_id, logits_to_keep=keep), labels[:, -keep:], pad_id)
 
 
 def normalized_loss(loss_sums: torch.Tensor, counts: torch.Tensor, normalization: str, normalizer: float):
@@ -292,7 +313,7 @@ def evaluate(args: Args, accelerator: Accelerator, model, tokenizer, dataloader,
             break
         qr = batch["query_reference_response_token"]
         labels = batch["query_reference_response_token_response_label"] if args.response_only_loss else qr
-        loss_sum, count = sequence_losses(forward(model, qr, pad_id).logits, labels, pad_id)
+        loss_sum, count = label_losses(model, qr, labels, pad_id)
         responses = truncate_response(generate(unwrapped, batch["query_token"], pad_id, gen_config), eos_id, pad_id)
         loss_sum, count = accelerator.gather_for_metrics((loss_sum, count))
         loss_sums.append(loss_sum.cpu())
@@ -338,10 +359,9 @@ def main(args: Args) -> None:
         model = with_lora(model, args)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    packing.enable(args.packing, model)
     run.print(f"model: {trainable_parameters(model)}")
-    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
-    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
-                                weight_decay=args.weight_decay)
+    optimizer = make_optimizer(args, model)
     scheduler = get_scheduler(args.scheduler, optimizer=optimizer, num_warmup_steps=args.warm_up_steps,
                               num_training_steps=args.num_updates)
 
@@ -383,8 +403,7 @@ def main(args: Args) -> None:
         for micro_start in range(0, args.local_batch_size, args.local_micro_batch_size):
             micro = slice(micro_start, micro_start + args.local_micro_batch_size)
             with accelerator.accumulate(model):
-                loss_sum, count = sequence_losses(forward(model, queries_responses[micro], pad_id).logits,
-                                                  labels[micro], pad_id)
+                loss_sum, count = label_losses(model, queries_responses[micro], labels[micro], pad_id)
                 loss = normalized_loss(loss_sum, count, args.loss_normalization, normalizer)
                 # accelerate divides by the accumulation steps and DDP averages over ranks: undo
                 # both so the gradient is exactly that of the global-batch objective

@@ -107,8 +107,9 @@ def test_trl_side_by_side(smoke):
     args, results, stdout = smoke
     rows = read_csv(os.path.join(args.out, "trl_side_by_side.csv"))
     assert len(rows) == len(results["trl"]) == 1  # one round, one measured update per side
-    row = {k: (v if k in ("shape", "first", "device") else float(v)) for k, v in rows[0].items()}
-    assert row["shape"] == "tiny-s" and row["first"] == "ours" and row["update"] == 2
+    row = {k: (v if k in ("shape", "forwards", "first", "device") else float(v)) for k, v in rows[0].items()}
+    assert row["shape"] == "tiny-s" and row["first"] == "packed" and row["update"] == 2 and row["forwards"] == "packed"
+    assert 0 <= row["padding_share"] < 0.5  # left-padded queries of 50-100% of their length, full responses
     assert {f"ours_{p}" for p in STAGE_PHASES} | {f"trl_{p}" for p in TRL_PHASES} <= set(row)
     for side in ("ours", "trl"):
         seconds = row[f"{side}_s"]
@@ -118,7 +119,7 @@ def test_trl_side_by_side(smoke):
         assert row[f"{side}_other"] == pytest.approx(seconds - sum(phases), abs=1e-9)
     assert row["ratio_trl_over_ours"] == pytest.approx(row["trl_s"] / row["ours_s"])
     line = next(line for line in stdout.splitlines() if line.startswith("ratio TRL / ours"))
-    assert "(tiny-s): median" in line and "min" in line and "max" in line and "over 1 paired updates" in line
+    assert "(tiny-s, packed): median" in line and "min" in line and "max" in line and "over 1 paired updates" in line
     assert os.path.getsize(os.path.join(args.out, "trl_side_by_side.png")) > 0
 
 

@@ -392,7 +392,10 @@ def test_deepspeed_zero2_matches_ddp(zero2_runs, tiny_datasets, models_dir, tmp_
     assert "reference policy: DeepSpeed ZeRO-0 engine, torch.float32" in " ".join(out.split())
     assert len(ds) == 12
     for key in ("train/rm/loss", "train/rm/chosen_rewards", "train/dpo/ref_logps_chosen"):
-        assert curve(plain, key) == pytest.approx(curve(ds, key), rel=1e-5), key
+        # (abs: chosen_rewards = beta x the difference of two summed log-probs near -50, whose fp32
+        # rounding (~4e-6 each) leaves ~1e-7 of noise on values near 0.006: the DDP and ZeRO-2 gradient
+        # sums round differently; measured with the packed forwards: 9.5e-8 at most, rel 1.5e-5)
+        assert curve(plain, key) == pytest.approx(curve(ds, key), rel=1e-5, abs=2e-7), key
     assert_same_params(p_plain, p_ds, rtol=1e-4, atol=1e-6)
 
 
@@ -441,7 +444,7 @@ def test_clear_errors(tiny_datasets, models_dir, tmp_path):
 
 @pytest.mark.parametrize("module,name", [
     *((sft, n) for n in ("derive_batch_sizes", "epoch_permutations", "first_true_indices", "truncate_response",
-                         "forward", "generation_config", "without_stop_ids", "generate")),
+                         "forward", "generation_config", "without_stop_ids", "generate", "response_window")),
     (reward, "pair_table"),
     (reward, "accuracy_breakdown"),
 ])

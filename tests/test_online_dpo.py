@@ -45,7 +45,7 @@ def one_thread():
 @pytest.mark.parametrize("module,name", [
     *((ppo, n) for n in ("epoch_permutations", "first_true_indices", "truncate_response", "forward",
                          "generation_config", "without_stop_ids", "generate", "scaled_logits", "gather_logprobs",
-                         "without_shared_padding", "response_logits", "get_reward", "penalize_missing_eos",
+                         "response_logits", "get_reward", "penalize_missing_eos",
                          "cycling_slice", "derived_seed", "score_responses", "evaluate", "validate")),
     (dpo, "dpo_losses"),
     (dpo, "implicit_rewards"),
@@ -110,7 +110,7 @@ def test_response_logprobs_are_those_of_the_sampling_distribution():
     with torch.no_grad():
         sums = online_dpo.response_logprob_sums(model, query_responses, responses, 0.7, EOS, PAD)
         at_one = online_dpo.response_logprob_sums(model, query_responses, responses, 1.0, EOS, PAD)
-        logits = online_dpo.forward(model, query_responses, PAD).logits[:, 5:-1]
+        logits = online_dpo.forward(model, query_responses, PAD)[:, 5:-1]
     assert torch.allclose(sums, online_dpo.masked_sums(logprobs, responses, EOS), atol=1e-4)
     own = torch.log_softmax(logits.masked_fill(torch.arange(40) == PAD, -torch.inf), -1)
     assert torch.allclose(at_one, online_dpo.masked_sums(own.gather(-1, responses[..., None]).squeeze(-1), responses,

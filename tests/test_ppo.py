@@ -20,7 +20,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, run_in_process, run_script,
                       run_until_signalled, signal_on_call, without_rates)
 from summarize_from_feedback_details import ppo_left_padding as ppo
-from summarize_from_feedback_details import reward, rollout, run_infra, sft
+from summarize_from_feedback_details import packing, reward, rollout, run_infra, sft
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids (Pythia: [PAD] 50277, EOS 0)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +91,7 @@ def test_copied_helpers_behave_like_sft_and_reward():
     ids = torch.tensor([[PAD, PAD, 5, 6, 7, EOS, PAD], [9, 8, 7, 6, 5, 4, EOS]])
     lm = tiny_lm()
     with torch.no_grad():
-        assert torch.equal(ppo.forward(lm, ids, PAD).logits, sft.forward(lm, ids, PAD).logits)
+        assert torch.equal(ppo.forward(lm, ids, PAD), sft.forward(lm, ids, PAD))
         for kind in ("gpt_neox", "gpt2"):
             rm = random_rm(kind)
             assert torch.equal(ppo.get_reward(rm, ids, PAD), reward.get_reward(rm, ids, PAD))
@@ -510,7 +510,7 @@ def test_pad_is_never_sampled_and_generation_logprobs_are_the_training_logprobs(
     ((responses, logprobs),) = rollout.decode(model, [rollout.SamplingGroup(queries, 1.0, 0)], PAD, 200)
     assert responses.shape == (2, 200) and (responses != PAD).all()
     with torch.no_grad():
-        logits = ppo.forward(model, torch.cat([queries, responses], 1), PAD).logits[:, 2:-1]
+        logits = ppo.forward(model, torch.cat([queries, responses], 1), PAD)[:, 2:-1]
     train = ppo.gather_logprobs(ppo.scaled_logits(logits, 1.0, PAD), responses)
     assert (train - logprobs).abs().max() < 1e-5
     unmasked = ppo.gather_logprobs(logits / (1.0 + 1e-7), responses)
@@ -533,9 +533,9 @@ def test_generation_logprobs_match_on_left_padded_queries(tiny_datasets, models_
 
 def test_without_shared_padding_known_answer():
     rows = torch.tensor([[PAD, PAD, PAD, 5, 6], [PAD, PAD, 7, 8, 9], [PAD, PAD, PAD, PAD, 4]])
-    assert torch.equal(ppo.without_shared_padding(rows, PAD), rows[:, 2:])
-    assert torch.equal(ppo.without_shared_padding(rows[[0, 2]], PAD), rows[[0, 2], 3:])
-    assert torch.equal(ppo.without_shared_padding(rows[:, 2:], PAD), rows[:, 2:])  # nothing shared: unchanged
+    assert torch.equal(packing.without_shared_padding(rows, PAD), rows[:, 2:])
+    assert torch.equal(packing.without_shared_padding(rows[[0, 2]], PAD), rows[[0, 2], 3:])
+    assert torch.equal(packing.without_shared_padding(rows[:, 2:], PAD), rows[:, 2:])  # nothing shared: unchanged
 
 
 def test_response_logits_and_values_compute_only_the_response(tiny_datasets, models_dir, one_thread):
@@ -555,7 +555,7 @@ def test_response_logits_and_values_compute_only_the_response(tiny_datasets, mod
     head = model.get_output_embeddings().register_forward_hook(lambda m, i, o: widths.append(i[0].shape[1]))
     embed = model.get_input_embeddings().register_forward_hook(lambda m, i, o: widths.append(i[0].shape[1]))
     with torch.no_grad():
-        full = ppo.forward(model, query_responses, PAD).logits[:, queries.shape[1] - 1: -1]
+        full = ppo.forward(model, query_responses, PAD)[:, queries.shape[1] - 1: -1]
         widths.clear()
         only = ppo.response_logits(model, query_responses, PAD, 10)
         values = ppo.response_values(critic, query_responses, PAD, 10)
@@ -1165,16 +1165,16 @@ def test_lora_reference_is_the_sft_model_exactly(checkpoints):
     rows[0, :5] = PAD
     sft_model = run_infra.load_policy(sft_path, tokenizer)
     with torch.no_grad():
-        expected = ppo.forward(sft_model, rows, PAD).logits
+        expected = ppo.forward(sft_model, rows, PAD)
     policy = run_infra.with_lora(run_infra.load_policy(sft_path, tokenizer), args)
     with torch.no_grad():
-        assert torch.equal(ppo.forward(policy, rows, PAD).logits, expected)  # (B = 0)
+        assert torch.equal(ppo.forward(policy, rows, PAD), expected)  # (B = 0)
         for name, parameter in policy.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(generator=torch.Generator().manual_seed(1))
-        assert (ppo.forward(policy, rows, PAD).logits - expected).abs().max() > 1e-2
+        assert (ppo.forward(policy, rows, PAD) - expected).abs().max() > 1e-2
         with run_infra.reference_policy(policy, None) as reference:
-            assert torch.equal(ppo.forward(reference, rows, PAD).logits, expected)
+            assert torch.equal(ppo.forward(reference, rows, PAD), expected)
     assert {n.split(".")[-2] for n, p in policy.named_parameters() if p.requires_grad} == {"default"}
     assert all(("lora_A" in n or "lora_B" in n) for n, p in policy.named_parameters() if p.requires_grad)
 

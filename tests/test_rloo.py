@@ -27,7 +27,7 @@ DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_c
 # the helpers rloo.py shares with PPO: copies, kept identical (DESIGN section 1)
 COPIED_FROM_PPO = ("epoch_permutations", "first_true_indices", "truncate_response", "forward", "generation_config",
                    "without_stop_ids", "generate", "scaled_logits", "gather_logprobs", "entropy_from_logits",
-                   "without_shared_padding", "response_logits", "get_reward", "response_masks", "penalize_missing_eos",
+                   "response_logits", "get_reward", "response_masks", "penalize_missing_eos",
                    "cycling_slice", "derived_seed", "minibatch_rows", "score_responses", "evaluate", "validate")
 
 

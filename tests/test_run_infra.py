@@ -28,7 +28,7 @@ COPIED_ALGORITHM_HELPERS = {"derive_batch_sizes", "epoch_permutations", "first_t
                             "pair_table", "accuracy_breakdown", "cycling_slice", "derived_seed",
                             "entropy_from_logits", "gather_logprobs", "minibatch_rows", "penalize_missing_eos",
                             "response_logits", "response_masks", "scaled_logits", "score_responses", "validate",
-                            "without_shared_padding", "dpo_losses", "implicit_rewards"}
+                            "response_window", "dpo_losses", "implicit_rewards"}
 # names every stage defines for itself (different code under one name)
 OWN_IN_EVERY_STAGE = {"Args", "main", "evaluate"}
 # calls that build run infrastructure: a stage makes none of them itself, it calls run_infra

@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 
 from conftest import (accelerate_launcher, assert_throughput, run_in_process, run_script, run_until_signalled,
                       signal_on_call, without_rates)
-from summarize_from_feedback_details import run_infra, sft
+from summarize_from_feedback_details import packing, run_infra, sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "sft.py")
@@ -74,12 +74,17 @@ def test_clipping_norm_unset_or_not_positive_means_off():
     assert sft.Args().max_grad_norm is None  # the paper's runs did not clip (DESIGN section 4)
 
 
-def test_forward_builds_no_kv_cache():
+@pytest.mark.parametrize("packed", [False, True])
+def test_forward_builds_no_kv_cache(packed):
     model = tiny_lm("gpt_neox")
+    packing.enable(packed, model)
     ids = torch.tensor([[1, 1, 5, 6, 7]])
     assert model.config.use_cache  # left to the model, it would return one
+    caches = []
+    model.register_forward_hook(lambda module, args, output: caches.append(output.past_key_values))
     with torch.no_grad():
-        assert sft.forward(model, ids, 1).past_key_values is None
+        sft.forward(model, ids, 1)
+    assert caches == [None]
 
 
 def test_derive_batch_sizes():
@@ -121,8 +126,8 @@ def test_forward_and_generate_ignore_left_padding(kind):
     text = torch.tensor([[5, 6, 7, 8, 9]])
     padded = torch.tensor([[pad, pad, pad, 5, 6, 7, 8, 9]])
     with torch.no_grad():
-        a = sft.forward(model, text, pad).logits[:, -1]
-        b = sft.forward(model, padded, pad).logits[:, -1]
+        a = sft.forward(model, text, pad)[:, -1]
+        b = sft.forward(model, padded, pad)[:, -1]
     assert torch.allclose(a, b, atol=1e-5)
     config = sft.generation_config(6, 0.01, pad)
     torch.manual_seed(1)

@@ -1,0 +1,233 @@
+"""Forwards that compute real tokens only (sequence packing), and the compiled training forward.
+
+Packing: a batch of [rows, columns] with padding (left padding of the queries, padding after EOS)
+goes through the model as ONE row of its real tokens, each sequence's positions restarting at 0
+(the padded forwards' `cumsum - 1` picked at the real tokens). Embeddings, layer norms, every
+linear layer, the MLPs and the heads then run on real tokens only, and the outputs come back in
+the padded layout (zeros at padding) for the stage's own masks. Attention must not mix the
+sequences of the packed row:
+- flash attention (`attn_implementation="flash_attention_2"` and later) takes the packed row as
+  is: transformers reads `cu_seq_lens_*` / `max_length_*` and runs the varlen kernel;
+- sdpa: transformers' sdpa attention is registered over by `sdpa_or_packed`, which is that same
+  function for every call without `cu_seq_lens_q` (generation, any padded forward) and, for a packed
+  call, `padded_sdpa_for_packed`: each sequence moves to its own right-padded row, plain causal SDPA
+  runs there (exact: a real token only sees earlier positions of its own row, all real) and the
+  outputs move back. Attention then costs what the padded batch's did; everything else runs on real
+  tokens only. The choice rides on the call's arguments, so gradient checkpointing's recomputation
+  takes the same path. (A packed call hands the model a 1x1x1x1 mask, which transformers passes
+  through as "prepared": it would otherwise build a tokens x tokens block-diagonal mask.)
+Other attention implementations (eager) cannot take packed rows: `--no_packing`.
+The call goes through the model's own forward (and so through DDP, DeepSpeed, peft and accelerate's
+autocast exactly as the padded call): logits come from `logits_to_keep` given the packed indices,
+per-position scores of a sequence-classification model from a hook on its `score` head.
+
+It changes no result beyond float noise: positions count real tokens only in both layouts and a
+padded position never reaches a real one (tests/test_packing.py: packed vs padded logits, values
+and rewards equal to 1e-5 in fp32; every stage's invariance tests run packed). The stages turn it
+on per model (`enable`) from their `--packing` flag (default on); `--no_packing` runs the padded
+forwards unchanged, for comparisons and for models whose attention cannot take packed rows.
+
+`--compile_train` (`compile_for_training`): the packed forwards of a trained model under
+torch.compile with dynamic shapes (a packed row's length changes every batch), backward included;
+any error of a first compiled call gives it up for the run: one warning with the compiler's own
+message, dynamo reset, eager from then on (the compiled decode's rule).
+"""
+
+import contextlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+VARLEN = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+def padded_sdpa_for_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                           cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """Causal attention over a packed row [1, heads, tokens, head_dim] whose sequences start at
+    `cu_seq_lens_q`; returns [1, tokens, heads, head_dim], as transformers' attention functions do."""
+    lengths = cu_seq_lens_q.diff()
+    tokens = query.shape[2]
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths, output_size=tokens)
+    position = torch.arange(tokens, device=query.device) - cu_seq_lens_q[:-1].long()[sequence]
+
+    def to_rows(states):
+        rows = states.new_zeros(len(lengths), states.shape[1], max_length_q, states.shape[3])
+        rows[sequence, :, position] = states[0].transpose(0, 1)
+        return rows
+
+    output = F.scaled_dot_product_attention(to_rows(query), to_rows(key), to_rows(value), dropout_p=dropout,
+                                            is_causal=True, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return output[sequence, :, position].unsqueeze(0), None
+
+
+TRANSFORMERS_SDPA = AttentionInterface._global_mapping["sdpa"]
+
+
+def sdpa_or_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, cu_seq_lens_q=None,
+                   max_length_q=None, **kwargs):
+    """transformers' sdpa attention, or `padded_sdpa_for_packed` for a packed call."""
+    if cu_seq_lens_q is None:
+        return TRANSFORMERS_SDPA(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return padded_sdpa_for_packed(module, query, key, value, attention_mask, scaling, dropout, cu_seq_lens_q,
+                                  max_length_q)
+
+
+AttentionInterface.register("sdpa", sdpa_or_packed)
+
+
+def inner(model):
+    """The model under a DDP wrapper or a DeepSpeed engine (whose own `config` is its JSON config)."""
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
+        model = model.module
+    return model
+
+
+def enable(on: bool, *models) -> None:
+    """Marks loaded models (plain or peft-wrapped; before or after accelerate's prepare; None is
+    skipped: a LoRA run's reference) to run their scoring and training forwards packed, or not."""
+    for model in models:
+        if model is not None:
+            inner(model).packs_sequences = on
+
+
+def is_on(model) -> bool:
+    return bool(getattr(inner(model), "packs_sequences", False))
+
+
+def transformer_body(model):
+    """The transformer under the head (GPTNeoXModel for Pythia), also under peft's wrapper."""
+    model = inner(model)
+    return (model.get_base_model() if hasattr(model, "get_base_model") else model).base_model
+
+
+def without_shared_padding(query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """The batch without its leading columns that are padding in every row: they are masked out of
+    attention and do not count in positions, so computing them changes nothing but the time."""
+    first_real_column = (query_responses != pad_id).any(0).int().argmax()
+    return query_responses[:, first_real_column:]
+
+
+class Packed:
+    """The packing of a padded batch: where each real token sits, and the arguments of the packed call."""
+
+    def __init__(self, attention_mask: torch.Tensor, position_ids: torch.Tensor, attention: str):
+        if attention != "sdpa" and attention not in VARLEN:
+            raise ValueError(f"--packing needs sdpa or flash attention, not {attention!r}: run with --no_packing")
+        self.shape = attention_mask.shape
+        self.rows, self.columns = attention_mask.nonzero(as_tuple=True)
+        lengths = attention_mask.sum(1)
+        cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).int()
+        longest = int(lengths.max())
+        self.kwargs = dict(position_ids=position_ids[self.rows, self.columns][None], cu_seq_lens_q=cu_seq_lens,
+                           cu_seq_lens_k=cu_seq_lens, max_length_q=longest, max_length_k=longest, use_cache=False,
+                           return_dict=True)
+        if attention == "sdpa":  # (the placeholder mask: nothing reads it)
+            self.kwargs["attention_mask"] = attention_mask.new_ones(1, 1, 1, 1)
+        self.index = torch.full(self.shape, -1, dtype=torch.long, device=attention_mask.device)
+        self.index[self.rows, self.columns] = torch.arange(len(self.rows), device=attention_mask.device)
+
+    def pack(self, values: torch.Tensor) -> torch.Tensor:
+        return values[self.rows, self.columns][None]
+
+    def unpack(self, packed: torch.Tensor, columns: slice = slice(None)) -> torch.Tensor:
+        """[tokens, ...] at every real position -> [rows, columns of `columns`, ...], zeros at padding."""
+        index = self.index[:, columns]
+        out = packed.new_zeros(*index.shape, *packed.shape[1:])
+        out[index >= 0] = packed[index[index >= 0]]
+        return out
+
+
+@contextlib.contextmanager
+def compiled_body(model):
+    """Under --compile_train, the model's body runs compiled for the (packed) call."""
+    body = transformer_body(model)
+    compiled = getattr(body, "compiled_forward", None)
+    if compiled is not None:
+        body.forward = compiled
+    try:
+        yield
+    finally:
+        if compiled is not None:
+            del body.forward  # (the class's own forward again)
+
+
+def lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+              logits_to_keep: int = 0) -> torch.Tensor:
+    """A causal LM's logits [rows, logits_to_keep or columns, vocab] of a packed forward; the LM head
+    runs on the kept real positions only; zeros where a kept position is padding."""
+    packed = Packed(attention_mask, position_ids, inner(model).config._attn_implementation)
+    kept = slice(-logits_to_keep if logits_to_keep else None, None)
+    index = packed.index[:, kept]
+    with compiled_body(model):
+        logits = model(input_ids=packed.pack(input_ids), logits_to_keep=index[index >= 0], **packed.kwargs).logits[0]
+    out = logits.new_zeros(*index.shape, logits.shape[-1])
+    out[index >= 0] = logits
+    return out
+
+
+def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+    """A sequence-classification model's head (`score`) at every position [rows, columns] of a packed
+    forward (read by a hook: the model's own output pools one position of the packed row); zeros at
+    padding."""
+    packed = Packed(attention_mask, position_ids, inner(model).config._attn_implementation)
+    captured = []
+    hook = inner(model).score.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        with compiled_body(model):
+            model(input_ids=packed.pack(input_ids), **packed.kwargs)
+    finally:
+        hook.remove()
+    return packed.unpack(captured[0][0, :, 0])
+
+
+def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+    """`token_scores` at each row's last real token [rows]: where HF's sequence-classification head
+    reads a padded row (its rightmost non-pad token)."""
+    last_real = attention_mask.shape[1] - 1 - attention_mask.flip(1).int().argmax(1)
+    return token_scores(model, input_ids, attention_mask, position_ids).gather(1, last_real[:, None]).squeeze(1)
+
+
+class CompiledForward:
+    """A transformer body's forward under torch.compile (dynamic shapes), used by the packed calls.
+    A first call (per grad mode: the no-grad scoring and the training forward are separate graphs)
+    that raises gives it up: one warning with the compiler's message, dynamo reset, eager after."""
+
+    def __init__(self, forward, **compile_options):
+        self.eager = forward
+        self.compiled = torch.compile(forward, dynamic=True, **compile_options)
+        self.modes_run, self.failure = set(), None
+
+    def __call__(self, *args, **kwargs):
+        mode = torch.is_grad_enabled()
+        if self.failure is None and mode in self.modes_run:
+            return self.compiled(*args, **kwargs)
+        if self.failure is None:
+            try:
+                output = self.compiled(*args, **kwargs)
+            except Exception as error:  # any failure of the compiler or of the toolchain it calls
+                self.give_up(error)
+            else:
+                self.modes_run.add(mode)
+                return output
+        return self.eager(*args, **kwargs)
+
+    def give_up(self, error: Exception) -> None:
+        while getattr(error, "inner_exception", None) or error.__cause__:  # dynamo wraps the compiler's error
+            error = getattr(error, "inner_exception", None) or error.__cause__
+        self.failure = f"{type(error).__name__}: {error}".splitlines()[0]
+        torch._dynamo.reset()
+        warnings.warn(f"--compile_train: the compiled training forward failed ({self.failure}); running eagerly "
+                      f"for the rest of the run")
+
+
+def compile_for_training(on: bool, report, *models) -> None:
+    """--compile_train: the packed forwards of the trained `models` run their bodies compiled."""
+    for model in models if on else ():
+        if not is_on(model):
+            raise ValueError("--compile_train compiles the packed forwards: it needs --packing")
+        body = transformer_body(model)
+        body.compiled_forward = CompiledForward(body.forward)
+        report(f"compile_train: {type(body).__name__} under torch.compile (dynamic shapes; the first update pays "
+               f"the compile; a compile error falls back to eager with a warning)")
