@@ -29,7 +29,7 @@ SPEED_COLUMNS = {"shape", "params", "strategy", "processes", "micro_batch", "bat
                  "device", "precision", "threads", "updates_measured", "s_per_update", "s_per_update_min",
                  "s_per_update_max", "tokens_per_s", "generated_tokens_per_s", "tflop_per_update", "achieved_tflops",
                  "peak_tflops", "utilisation", "other_s", "decode_ms_per_step", "floor_ms_per_step", "bandwidth_gb_s",
-                 "variant", "trainable_params", "peak_memory_gib", "status"}
+                 "variant", "forwards", "trainable_params", "peak_memory_gib", "epoch_utilisation", "status"}
 # the per-update phases ppo_left_padding.py logs under time/
 STAGE_PHASES = {"validation", "generation", "reference_forward", "value_forward", "reward_forward", "ppo_epochs"}
 TRL_PHASES = {"generation", "reference_forward", "value_forward", "reward_forward"}
@@ -265,3 +265,19 @@ def test_a_run_killed_at_exit_is_run_once_more(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match="exit status 1"):
             ppo_speed.run_ours_launched(stage, setting, str(tmp_path), "cpu", 2, console)
         assert len(calls) == (2 if failures is None else 1)
+
+
+def test_epoch_profile_times_each_part_per_forwards_setting(tmp_path, capsys):
+    """benchmarks/epoch_profile.py at the tiniest shape (the compiled setting runs in benchmarks only:
+    its inductor compile takes minutes here)."""
+    spec = importlib.util.spec_from_file_location("epoch_profile", os.path.join(REPO, "benchmarks", "epoch_profile.py"))
+    epoch_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(epoch_profile)
+    args = epoch_profile.Args(shape="tiny-s", batch_size=2, query_length=8, response_length=4,
+                              forwards=["padded", "packed"], warmup=1, repeats=1, cache_dir=str(tmp_path))
+    medians = epoch_profile.main(args)
+    for forwards in ("padded", "packed"):
+        parts = medians[forwards]
+        assert all(parts[p] > 0 for p in epoch_profile.PARTS)
+        assert parts["step"] == pytest.approx(sum(parts[p] for p in epoch_profile.PARTS))
+    assert "policy forward" in capsys.readouterr().out
