@@ -115,7 +115,6 @@ class Packed:
     def __init__(self, attention_mask: torch.Tensor, position_ids: torch.Tensor, attention: str):
         if attention != "sdpa" and attention not in VARLEN:
             raise ValueError(f"--packing needs sdpa or flash attention, not {attention!r}: run with --no_packing")
-        self.shape = attention_mask.shape
         self.rows, self.columns = attention_mask.nonzero(as_tuple=True)
         lengths = attention_mask.sum(1)
         cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).int()
@@ -125,17 +124,16 @@ class Packed:
                            return_dict=True)
         if attention == "sdpa":  # (the placeholder mask: nothing reads it)
             self.kwargs["attention_mask"] = attention_mask.new_ones(1, 1, 1, 1)
-        self.index = torch.full(self.shape, -1, dtype=torch.long, device=attention_mask.device)
+        self.index = torch.full(attention_mask.shape, -1, dtype=torch.long, device=attention_mask.device)
         self.index[self.rows, self.columns] = torch.arange(len(self.rows), device=attention_mask.device)
 
     def pack(self, values: torch.Tensor) -> torch.Tensor:
         return values[self.rows, self.columns][None]
 
-    def unpack(self, packed: torch.Tensor, columns: slice = slice(None)) -> torch.Tensor:
-        """[tokens, ...] at every real position -> [rows, columns of `columns`, ...], zeros at padding."""
-        index = self.index[:, columns]
-        out = packed.new_zeros(*index.shape, *packed.shape[1:])
-        out[index >= 0] = packed[index[index >= 0]]
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[tokens, ...], one entry per real token -> [rows, columns, ...], zeros at padding."""
+        out = packed.new_zeros(*self.index.shape, *packed.shape[1:])
+        out[self.rows, self.columns] = packed
         return out
 
 
@@ -204,8 +202,9 @@ class CompiledForward:
         if self.failure is None and mode in self.modes_run:
             return self.compiled(*args, **kwargs)
         if self.failure is None:
-            try:
-                output = self.compiled(*args, **kwargs)
+            try:  # (the backward graph lowered now too, so that its errors also land here)
+                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                    output = self.compiled(*args, **kwargs)
             except Exception as error:  # any failure of the compiler or of the toolchain it calls
                 self.give_up(error)
             else:

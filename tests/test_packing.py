@@ -193,6 +193,26 @@ def test_compile_error_falls_back_to_eager_with_one_warning():
     assert torch.equal(first, eager) and torch.equal(second, eager)
 
 
+def test_a_backward_compile_error_also_falls_back_before_any_gradient():
+    """The backward graph is lowered at the first compiled forward, so its errors land there too."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def failing_backward(graph_module, example_inputs):
+        raise RuntimeError("backward compiler missing")
+
+    model, ids = causal_lm(), padded_batch()
+    packing.enable(True, model)
+    eager = sft.forward(model, ids, PAD)
+    body = packing.transformer_body(model)
+    body.compiled_forward = packing.CompiledForward(
+        body.forward, backend=aot_autograd(fw_compiler=lambda graph_module, inputs: graph_module,
+                                           bw_compiler=failing_backward))
+    with pytest.warns(UserWarning, match="backward compiler missing"):
+        logits = sft.forward(model, ids, PAD)
+    logits.square().sum().backward()
+    assert torch.equal(logits, eager) and all(p.grad is not None for p in model.parameters())
+
+
 def test_compile_train_needs_packing():
     model = causal_lm()
     with pytest.raises(ValueError, match="needs --packing"):
