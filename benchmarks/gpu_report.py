@@ -19,7 +19,10 @@ the next one runs):
 3. `trl`: the same shape, ours and TRL 1.12's PPOTrainer side by side (ratio min / median / max);
 4. `drift`: benchmarks/logprob_drift.py at the same shape (a random-init policy, 16 queries x 512 +
    53): the same sampled tokens scored at batch 1 and 16 in fp32, bf16 and fp16, against fp32 at
-   batch 1: how far the batch shape and the dtype move PPO's ratio before any update.
+   batch 1: how far the batch shape and the dtype move PPO's ratio before any update;
+5. `dpo_memory`: benchmarks/dpo_memory.py at the same shape: dpo.py's peak memory for one sbatch
+   micro-batch (8 pairs x 512 + 53, bf16) with all logits (before issue 27), response logits, packed.
+Steps 2 and 3 run each setting with the padded, packed and packed + compiled forwards.
 Output: <out>/report.md (the GPU, the versions, each step's status, time and numbers), the CSVs of
 steps 2 and 3, and the logs. Without CUDA it says so and exits 1, running nothing.
 """
@@ -62,6 +65,7 @@ def steps(args: Args) -> list:
     """The report's commands. A GPU machine: the paper's per-GPU shapes; --smoke: tiny ones on the CPU."""
     python, speed = sys.executable, os.path.join(REPO, "benchmarks", "ppo_speed.py")
     drift = os.path.join(REPO, "benchmarks", "logprob_drift.py")
+    dpo_memory = os.path.join(REPO, "benchmarks", "dpo_memory.py")
     out = os.path.abspath(args.out)
     if args.smoke:
         shape = ["--shapes", "tiny-s", "--batch_size", "4", "--query_length", "16", "--response_length", "8",
@@ -74,18 +78,25 @@ def steps(args: Args) -> list:
                              os.path.join(out, "trl")], "ours vs TRL at tiny-s (smoke)"),
                 Step("drift", [python, drift, "--model", "tiny-s", "--rows", "4", "--query_length", "16",
                                "--response_length", "8", "--out", os.path.join(out, "drift")],
-                     "log-prob drift at tiny-s (smoke)")]
+                     "log-prob drift at tiny-s (smoke)"),
+                Step("dpo_memory", [python, dpo_memory, "--shape", "tiny-s", "--pairs", "2", "--query_length", "16",
+                                    "--response_length", "8", "--out", os.path.join(out, "dpo_memory")],
+                     "DPO micro-batch memory at tiny-s (smoke)")]
     paper = ["--shapes", args.shape, "--query_length", "512", "--response_length", "53", "--batch_size", "64",
              "--eval_batch_size", "8"]
     return [Step("test_gpu", [python, "-m", "pytest", "-q", "-s", "-rs", "-m", "gpu", os.path.join(REPO, "tests")],
                  "make test-gpu"),
             Step("speed", [python, speed, *paper, "--strategies", "single", "zero2", "--micro_batch_sizes", "16",
-                           "--out", os.path.join(out, "speed")],
+                           "--forwards", "padded", "packed", "compiled", "--out", os.path.join(out, "speed")],
                  f"seconds per update at {args.shape}, 64 queries x 512 + 53 tokens, bf16"),
-            Step("trl", [python, speed, "--mode", "trl", *paper, "--rounds", "2", "--out", os.path.join(out, "trl")],
+            Step("trl", [python, speed, "--mode", "trl", *paper, "--rounds", "2", "--forwards", "padded", "packed",
+                         "compiled", "--out", os.path.join(out, "trl")],
                  f"ours vs TRL 1.12 at {args.shape}, the same settings"),
             Step("drift", [python, drift, "--model", args.shape, "--out", os.path.join(out, "drift")],
-                 f"log-prob drift at {args.shape}: batch 1 vs 16, fp32 / bf16 / fp16")]
+                 f"log-prob drift at {args.shape}: batch 1 vs 16, fp32 / bf16 / fp16"),
+            Step("dpo_memory", [python, dpo_memory, "--shape", args.shape, "--out", os.path.join(out, "dpo_memory")],
+                 f"dpo.py's peak memory per micro-batch at {args.shape} (8 pairs x 512 + 53): all logits / response "
+                 f"logits / packed")]
 
 
 def markdown_table(path: str, columns: list) -> str:
@@ -108,10 +119,11 @@ def markdown_table(path: str, columns: list) -> str:
     return "\n".join(lines)
 
 
-SPEED_COLUMNS = ["shape", "strategy", "processes", "micro_batch", "precision", "s_per_update", "time/generation",
-                 "time/ppo_epochs", "tokens_per_s", "utilisation", "decode_ms_per_step", "floor_ms_per_step",
+SPEED_COLUMNS = ["shape", "strategy", "forwards", "processes", "micro_batch", "precision", "s_per_update",
+                 "time/generation", "time/ppo_epochs", "tokens_per_s", "utilisation", "epoch_utilisation", "decode_ms_per_step", "floor_ms_per_step",
                  "peak_memory_gib", "status"]
-TRL_COLUMNS = ["shape", "round", "update", "ours_s", "trl_s", "ratio_trl_over_ours"]
+TRL_COLUMNS = ["shape", "forwards", "round", "update", "padding_share", "ours_s", "trl_s", "ratio_trl_over_ours"]
+DPO_MEMORY_COLUMNS = ["shape", "device", "pairs", "setting", "peak_gib", "seconds"]
 DRIFT_COLUMNS = ["dtype", "batch", "tokens", "share_outside_0.9_1.1", "max_abs_log_ratio", "mean_abs_log_ratio"]
 
 
@@ -127,7 +139,8 @@ def section(step: Step, result: dict, out: str) -> str:
         return head + "```\n" + "\n".join(lines) + "\n```\n"
     tables = {"speed": (os.path.join(out, "speed", "ppo_speed.csv"), SPEED_COLUMNS),
               "trl": (os.path.join(out, "trl", "trl_side_by_side.csv"), TRL_COLUMNS),
-              "drift": (os.path.join(out, "drift", "logprob_drift.csv"), DRIFT_COLUMNS)}
+              "drift": (os.path.join(out, "drift", "logprob_drift.csv"), DRIFT_COLUMNS),
+              "dpo_memory": (os.path.join(out, "dpo_memory", "dpo_memory.csv"), DPO_MEMORY_COLUMNS)}
     return head + markdown_table(*tables[step.name]) + "\n"
 
 

@@ -24,14 +24,18 @@ def test_without_cuda_it_says_so_and_runs_nothing(tmp_path):
 
 def test_the_gpu_plan_is_the_papers_per_gpu_share():
     """On a GPU: make test-gpu, then ppo_speed at Pythia-1B with 64 queries x 512 + 53 tokens (one GPU's
-    share of the paper's 512), one process and ZeRO-2, then ours vs TRL, then the log-prob drift."""
+    share of the paper's 512), one process and ZeRO-2, then ours vs TRL (each with the padded, packed
+    and compiled forwards), then the log-prob drift, then DPO's micro-batch memory."""
     plan = {step.name: step.command for step in gpu_report.steps(gpu_report.Args(out="r"))}
-    assert list(plan) == ["test_gpu", "speed", "trl", "drift"]
+    assert list(plan) == ["test_gpu", "speed", "trl", "drift", "dpo_memory"]
     assert plan["test_gpu"][1:7] == ["-m", "pytest", "-q", "-s", "-rs", "-m"] and plan["test_gpu"][7] == "gpu"
     for name in ("speed", "trl"):
         command = " ".join(plan[name])
         assert "--shapes pythia-1b --query_length 512 --response_length 53 --batch_size 64" in command
     assert "--strategies single zero2" in " ".join(plan["speed"]) and "--mode trl" in " ".join(plan["trl"])
+    assert all("--forwards padded packed compiled" in " ".join(plan[name]) for name in ("speed", "trl"))
+    assert plan["dpo_memory"][1].endswith("benchmarks/dpo_memory.py") and plan["dpo_memory"][2:4] == ["--shape",
+                                                                                                   "pythia-1b"]
     assert plan["drift"][1].endswith("benchmarks/logprob_drift.py")
     assert plan["drift"][2:] == ["--model", "pythia-1b", "--out", os.path.join(os.path.abspath("r"), "drift")]
 
@@ -42,10 +46,11 @@ def test_smoke_report_on_the_cpu(tmp_path):
     assert gpu_report.main(gpu_report.Args(out=out, smoke=True)) == 0
     with open(os.path.join(out, "report.md")) as f:
         report = f.read()
-    for step in ("test_gpu", "speed", "trl", "drift"):
+    for step in ("test_gpu", "speed", "trl", "drift", "dpo_memory"):
         assert f"## {step}:" in report and os.path.exists(os.path.join(out, f"{step}.log"))
-    assert report.count("\nok in ") == 4 and "FAILED" not in report
-    assert "| tiny-s | single | 1 | 4 | fp32 |" in report and "1 passed" in report
+    assert report.count("\nok in ") == 5 and "FAILED" not in report
+    assert "| tiny-s | single | packed | 1 | 4 | fp32 |" in report and "1 passed" in report
+    assert "| tiny-s | cpu | 2 | padded, all logits | n/a |" in report  # (no GPU: seconds only)
     drift = report[report.index("## drift"):]
     # the same tokens at batch 1 and 4 in each dtype the CPU runs, against fp32 at batch 1 (0 there)
     assert "| fp32 | 1 | 32 | 0 | 0 | 0 |" in drift and "| bf16 | 4 | 32 |" in drift

@@ -155,6 +155,20 @@ def test_dpo_logprobs_from_response_logits_equal_full_logits(packed):
     assert torch.allclose(torch.cat(got), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("response_only", [False, True])
+def test_sft_losses_from_the_label_window_equal_full_logits(response_only):
+    model = causal_lm()
+    packing.enable(True, model)
+    ids = padded_batch()
+    labels = ids.clone()
+    if response_only:
+        labels[:, :7] = PAD
+    with torch.no_grad():
+        expected = sft.sequence_losses(sft.forward(model, ids, PAD), labels, PAD)
+        got = sft.label_losses(model, ids, labels, PAD)
+    assert torch.allclose(got[0], expected[0], atol=1e-5) and torch.equal(got[1], expected[1])
+
+
 def test_compiled_training_forward_equals_eager_and_trains():
     """--compile_train's body (aot_eager: dynamo's capture and AOT autograd's joint graph, without the
     C++ toolchain, so the suite stays fast): the same logits and gradients as eager."""
