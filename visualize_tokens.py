@@ -193,7 +193,7 @@ def make_sample(args: Args, row: int, data: dict, sft, ppo, reward_model, tokeni
               for name, response in (*responses.items(), ("reference", reference))}
     # both policies' logits for the PPO response, on the same context
     query_response = torch.cat([query, responses["ppo"]], 1)
-    logits = [scaled_logits(forward(policy, query_response, pad_id).logits[:, query.shape[1] - 1: -1],
+    logits = [scaled_logits(forward(policy, query_response, pad_id)[:, query.shape[1] - 1: -1],
                             args.logprob_temperature, pad_id)[0] for policy in (ppo, sft)]
     ppo_tokens = responses["ppo"][0]
     ppo_tokens = ppo_tokens[ppo_tokens != pad_id]  # generation never samples [PAD]: only truncation made them
