@@ -369,8 +369,8 @@ def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def response_logits(model, query_responses: torch.Tensor, pad_id: int, response_length: int) -> torch.Tensor:
     """The logits that predict the response tokens, [batch, response_length, vocab]: the LM head
-    runs on those positions only (at a 50k vocabulary, the largest matrix of a small model), and
-    padding shared by every row is not computed."""
+    runs on those positions only (at a 50k vocabulary, the largest matrix of a small model); padding is
+    not computed (packed, or with --no_packing the columns every row pads)."""
     query_responses = packing.without_shared_padding(query_responses, pad_id)
     return forward(model, query_responses, pad_id, logits_to_keep=response_length + 1)[:, :-1]
 

@@ -142,13 +142,18 @@ def compiled_body(model):
     """Under --compile_train, the model's body runs compiled for the (packed) call."""
     body = transformer_body(model)
     compiled = getattr(body, "compiled_forward", None)
-    if compiled is not None:
-        body.forward = compiled
+    if compiled is None:
+        yield
+        return
+    saved = body.__dict__.get("forward")  # (a forward some wrapper set on the instance stays its own)
+    body.forward = compiled
     try:
         yield
     finally:
-        if compiled is not None:
+        if saved is None:
             del body.forward  # (the class's own forward again)
+        else:
+            body.forward = saved
 
 
 def lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,

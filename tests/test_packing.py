@@ -186,6 +186,10 @@ def test_compiled_training_forward_equals_eager_and_trains():
     assert torch.allclose(compiled, eager, atol=1e-5)
     assert all(torch.allclose(p.grad, g, atol=1e-5) for p, g in zip(model.parameters(), eager_grads))
     assert "forward" not in vars(body)  # the eager forward is back after the call
+    wrapped = body.forward.__func__.__get__(body)  # a forward some wrapper set on the instance
+    body.forward = wrapped
+    sft.forward(model, ids, PAD, 6)
+    assert vars(body)["forward"] is wrapped  # stays, after the compiled call
 
 
 def test_compile_error_falls_back_to_eager_with_one_warning():
