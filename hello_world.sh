@@ -6,8 +6,8 @@
 #   ./hello_world.sh           the embedded default (synthetic TL;DR data, tiny Pythia-architecture
 #                              models) on a CPU in about 13 minutes; sets up .venv first if needed
 #   ./hello_world.sh --force   rerun every stage (otherwise a stage whose output exists is skipped)
-#   ./hello_world.sh --data    only the embedded default's data, base models and tokenized datasets
-#                              (what the sbatch files' TINY=1 mode reads)
+#   ./hello_world.sh --data    only the embedded default's data, base models (every size) and
+#                              tokenized datasets (what the sweeps and the sbatch files' TINY=1 mode read)
 #   MODEL=EleutherAI/pythia-410m-deduped ./hello_world.sh
 #                              the real pipeline with the paper's hyperparameters on this node's
 #                              GPUs: hub data and model, DeepSpeed ZeRO-2 (deepspeed.yaml), bf16
@@ -72,7 +72,7 @@ PPO_ROLLOUT_FORWARD_BATCH=${PPO_ROLLOUT_FORWARD_BATCH:-64}   # rollout generatio
 EVAL_BATCH=${EVAL_BATCH:-8}
 PPO_OFFLOAD=${PPO_OFFLOAD:-0}    # 1: the frozen reference and reward model live in CPU memory (6.9b)
 TRACK=${TRACK:-0}                # 1: log to wandb as well (WANDB_MODE=offline keeps it local)
-ALL_ALGOS="ppo dpo rloo rloo_k4 grpo online_dpo"
+ALL_ALGOS="ppo dpo rloo rloo_k4 grpo online_dpo control"
 ALGOS=${ALGOS:-ppo dpo}
 [[ $ALGOS == all ]] && ALGOS=$ALL_ALGOS
 read -ra algos <<<"$ALGOS"
@@ -86,9 +86,9 @@ wanted() { [[ " ${algos[*]+"${algos[*]}"} " == *" $1 "* ]]; }
 
 # --- the embedded default ------------------------------------------------------------------------
 RAW_DIR=data/raw                  # synthetic raw files in the upstream schemas
-BASE_MODELS_DIR=models/tiny       # pythia-tiny-{s,m,l}, one shared tokenizer
-TOKENIZER=$BASE_MODELS_DIR/pythia-tiny-s   # all tiny sizes share it
+BASE_MODELS_DIR=models/tiny       # pythia-tiny-{s,m,l}, one shared tokenizer; each size built when first used
 PPO_UPDATES=${PPO_UPDATES:-30}    # of 64 rollouts each (the paper: 1953 of 512)
+DPO_PAIRS=${DPO_PAIRS:-6000}      # DPO's one pass: this many of the preference pairs (the reward model takes all)
 # Lengths of the tiny default (the paper: 512 / 53 / 562 / 169 / 638 and 1919 / 155 / 2021).
 TINY_LENGTHS=(
     --tldr_params.length 160
@@ -159,8 +159,8 @@ run_training() {
     shift 2
     case $stage in
         sft*) own=${SFT_FLAGS:-} ;;
-        reward) own=${REWARD_FLAGS:-} ;;
-        ppo) own=${PPO_FLAGS:-} ;;
+        reward*) own=${REWARD_FLAGS:-} ;;
+        ppo*) own=${PPO_FLAGS:-} ;;
         dpo) own=${DPO_FLAGS:-} ;;
         online_dpo) own=${ONLINE_DPO_FLAGS:-} ;;
         *) own=${RLOO_FLAGS:-} ;;
@@ -219,11 +219,17 @@ run_online_methods() {
 if [[ $TINY == 1 ]]; then
     run_stage "synthetic TL;DR data" $RAW_DIR \
         $PY -m summarize_from_feedback_details.synthetic_tldr --output_dir $RAW_DIR --seed 1
-    run_stage "tiny base models" $BASE_MODELS_DIR \
-        $PY -m summarize_from_feedback_details.tiny_models --corpus $RAW_DIR/tldr_sft/train.jsonl \
-            --output_dir $BASE_MODELS_DIR --seed 1
+    # the size MODEL names; with --data every size (what scaling.sh, compare.sh and the sbatch chain
+    # read). All sizes share one tokenizer; a size built before is kept (tiny_models.build).
+    sizes=("${MODEL##*/pythia-tiny-}")
+    if [[ $DATA_ONLY == 1 ]]; then sizes=(s m l); fi
+    for size in ${sizes[@]+"${sizes[@]}"}; do
+        run_stage "tiny base model pythia-tiny-$size" $BASE_MODELS_DIR/pythia-tiny-$size \
+            $PY -m summarize_from_feedback_details.tiny_models --corpus $RAW_DIR/tldr_sft/train.jsonl \
+                --output_dir $BASE_MODELS_DIR --sizes "$size" --seed 1
+    done
     run_stage "tldr_dataset.py" $DATASET_DIR \
-        $PY summarize_from_feedback_details/tldr_dataset.py --base_model $TOKENIZER \
+        $PY summarize_from_feedback_details/tldr_dataset.py --base_model "$MODEL" \
             --sft_dataset $RAW_DIR/tldr_sft --preference_dataset $RAW_DIR/comparisons \
             --output_dir $DATASET_DIR --overwrite "${TINY_LENGTHS[@]}"
     if [[ $DATA_ONLY == 1 ]]; then
@@ -242,20 +248,21 @@ if [[ $TINY == 1 ]]; then
         run_training sft_all_tokens sft.py "${TINY_SFT[@]}" --exp_name sft_all_tokens --output_dir $OUT_DIR/sft_all_tokens
     run_stage "sft.py (summary tokens: the policy)" $OUT_DIR/sft/model.safetensors \
         run_training sft sft.py "${TINY_SFT[@]}" --response_only_loss --output_dir $OUT_DIR/sft
-    # One epoch of the 6000 preference pairs at batch 32.
+    # One epoch of the preference pairs at batch 32.
+    RM_ARGS=(--base_model "$MODEL" --sft_model_path $OUT_DIR/sft_all_tokens --label_dataset $DATASET_DIR/preference
+             --query_dataset $DATASET_DIR/sft --lr 1e-3 --local_micro_batch_size 32 --gradient_accumulation_steps 1
+             --local_eval_batch_size 100)
     run_stage "reward.py" $OUT_DIR/reward_model/model.safetensors \
-        run_training reward reward.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft_all_tokens \
-            --label_dataset $DATASET_DIR/preference --query_dataset $DATASET_DIR/sft \
-            --output_dir $OUT_DIR/reward_model --lr 1e-3 --local_micro_batch_size 32 \
-            --gradient_accumulation_steps 1 --local_eval_batch_size 100
+        run_training reward reward.py "${RM_ARGS[@]}" --output_dir $OUT_DIR/reward_model
     # PPO_UPDATES updates of 64 rollouts, otherwise the paper's settings. The longest reference
     # summary of the tiny default is 24 tokens, hence 32 new tokens instead of 53.
+    PPO_ARGS=(--base_model "$MODEL" --sft_model_path $OUT_DIR/sft --query_dataset $DATASET_DIR/sft --lr 1e-4
+              --total_episodes $((PPO_UPDATES * 64)) --local_micro_batch_size 16 --gradient_accumulation_steps 4
+              --local_rollout_forward_batch_size 64 --local_eval_batch_size 16 --print_sample_output_freq 10
+              --response_length 32)
     ! wanted ppo || run_stage "ppo_left_padding.py" $OUT_DIR/ppo/model.safetensors \
-        run_training ppo ppo_left_padding.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
-            --reward_model_path $OUT_DIR/reward_model --query_dataset $DATASET_DIR/sft \
-            --output_dir $OUT_DIR/ppo --lr 1e-4 --total_episodes $((PPO_UPDATES * 64)) \
-            --local_micro_batch_size 16 --gradient_accumulation_steps 4 --local_rollout_forward_batch_size 64 \
-            --local_eval_batch_size 16 --print_sample_output_freq 10 --response_length 32
+        run_training ppo ppo_left_padding.py "${PPO_ARGS[@]}" --reward_model_path $OUT_DIR/reward_model \
+            --output_dir $OUT_DIR/ppo
     # DPO from PPO's SFT on the reward model's pairs: one epoch at batch 32, the paper's beta 0.05.
     # Learning rates 3e-4 and 1e-3 raise the implicit-reward accuracy but lower the gold-judge win
     # rate (1e-3: 0.07, below SFT); 1e-4 beat SFT.
@@ -263,7 +270,7 @@ if [[ $TINY == 1 ]]; then
         run_training dpo dpo.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
             --label_dataset $DATASET_DIR/preference --query_dataset $DATASET_DIR/sft \
             --output_dir $OUT_DIR/dpo --lr 1e-4 --local_micro_batch_size 32 --gradient_accumulation_steps 1 \
-            --local_eval_batch_size 100 --response_length 32
+            --local_eval_batch_size 100 --response_length 32 --total_episodes "$DPO_PAIRS"
     # RLOO, GRPO and online DPO at PPO's budget: PPO_UPDATES updates of 64 episodes (a query with its
     # k samples: 32 queries x 2 or 16 x 4), PPO's lr, lengths and micro batches.
     run_online_methods 64 64 --lr 1e-4 --total_episodes $((PPO_UPDATES * 64)) --local_micro_batch_size 16 \
@@ -283,21 +290,20 @@ else
             --output_dir $OUT_DIR/sft --local_micro_batch_size "$SFT_MICRO_BATCH" \
             --gradient_accumulation_steps "$SFT_ACCUMULATION" \
             --local_eval_batch_size "$EVAL_BATCH"
+    RM_ARGS=(--base_model "$MODEL" --sft_model_path $OUT_DIR/sft --label_dataset "$DATASET_DIR/preference"
+             --query_dataset "$DATASET_DIR/sft" --local_micro_batch_size "$RM_MICRO_BATCH"
+             --gradient_accumulation_steps "$RM_ACCUMULATION" --local_eval_batch_size "$EVAL_BATCH")
     run_stage "reward.py" $OUT_DIR/reward_model/model.safetensors \
-        run_training reward reward.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
-            --label_dataset "$DATASET_DIR/preference" --query_dataset "$DATASET_DIR/sft" \
-            --output_dir $OUT_DIR/reward_model --local_micro_batch_size "$RM_MICRO_BATCH" \
-            --gradient_accumulation_steps "$RM_ACCUMULATION" \
-            --local_eval_batch_size "$EVAL_BATCH"
+        run_training reward reward.py "${RM_ARGS[@]}" --output_dir $OUT_DIR/reward_model
     ppo_offload=()
     if [[ $PPO_OFFLOAD == 1 ]]; then ppo_offload=(--offload); fi
+    PPO_ARGS=(--base_model "$MODEL" --sft_model_path $OUT_DIR/sft --query_dataset "$DATASET_DIR/sft"
+              --local_micro_batch_size "$PPO_MICRO_BATCH" --gradient_accumulation_steps "$PPO_ACCUMULATION"
+              --local_rollout_forward_batch_size "$PPO_ROLLOUT_FORWARD_BATCH" --local_eval_batch_size "$EVAL_BATCH"
+              ${ppo_offload[@]+"${ppo_offload[@]}"})
     ! wanted ppo || run_stage "ppo_left_padding.py" $OUT_DIR/ppo/model.safetensors \
-        run_training ppo ppo_left_padding.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
-            --reward_model_path $OUT_DIR/reward_model --query_dataset "$DATASET_DIR/sft" \
-            --output_dir $OUT_DIR/ppo --local_micro_batch_size "$PPO_MICRO_BATCH" \
-            --gradient_accumulation_steps "$PPO_ACCUMULATION" \
-            --local_rollout_forward_batch_size "$PPO_ROLLOUT_FORWARD_BATCH" \
-            --local_eval_batch_size "$EVAL_BATCH" ${ppo_offload[@]+"${ppo_offload[@]}"}
+        run_training ppo ppo_left_padding.py "${PPO_ARGS[@]}" --reward_model_path $OUT_DIR/reward_model \
+            --output_dir $OUT_DIR/ppo
     ! wanted dpo || run_stage "dpo.py" $OUT_DIR/dpo/model.safetensors \
         run_training dpo dpo.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
             --label_dataset "$DATASET_DIR/preference" --query_dataset "$DATASET_DIR/sft" \
@@ -312,6 +318,16 @@ else
     run_online_methods 512 "$PPO_ROLLOUT_FORWARD_BATCH" --local_micro_batch_size "$ONLINE_MICRO_BATCH" \
         --gradient_accumulation_steps "$ONLINE_ACCUMULATION" \
         --local_eval_batch_size "$EVAL_BATCH" ${ppo_offload[@]+"${ppo_offload[@]}"}
+fi
+# The negative control: the same PPO against a reward model that knows nothing (the reward model's
+# backbone under its seeded random head, no training, normalised as usual). It must not beat SFT.
+if wanted control; then
+    run_stage "reward.py (control: no training)" $OUT_DIR/reward_model_control/model.safetensors \
+        run_training reward_control reward.py "${RM_ARGS[@]}" --total_episodes 0 --exp_name reward_control \
+            --output_dir $OUT_DIR/reward_model_control
+    run_stage "ppo_left_padding.py (control)" $OUT_DIR/ppo_control/model.safetensors \
+        run_training ppo_control ppo_left_padding.py "${PPO_ARGS[@]}" \
+            --reward_model_path $OUT_DIR/reward_model_control --exp_name ppo_control --output_dir $OUT_DIR/ppo_control
 fi
 
 # The eval plots (eval/, reruns in seconds, so never skipped): SFT ROUGE-L and RM accuracy vs model

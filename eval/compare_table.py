@@ -1,29 +1,43 @@
-"""The methods side by side at equal episodes (make compare): SFT, PPO, DPO, RLOO, GRPO and online DPO.
+"""The methods side by side at equal episodes (make compare): SFT, PPO, DPO, RLOO, GRPO, online DPO and
+the control (PPO against a reward model that knows nothing).
 
     python eval/compare_table.py --run_glob 'scaling_m_*' --out eval/images/compare
 
 Reads the local runs of every policy (--sft_exp_name, --ppo_exp_name, --dpo_exp_name and --methods,
 as eval/rlhf_scaling_plot.py; one run per (exp_name, base_model, seed), chosen as eval/ chooses)
 that saved a validation table, and per run measures:
+- gold_minus_sft, the headline: the run's mean gold score minus that of the SFT run of the same
+  (base_model, seed), the policy it started from, paired per prompt (the same validation prompt's
+  two summaries), with its 95% bootstrap interval over prompts; and head_to_head_sft, how often its
+  summary beats that SFT's on the same prompt (ties half), with its Wilson interval
+  (rlhf_scaling_plot.paired_with_sft, win_rates.paired_comparison);
+- gold: the mean gold score of its validation summaries (the synthetic task's exact judge, so the
+  embedded default only);
 - win_rate: the gold judge's win rate of its validation summaries against the references (ties
-  count half; the synthetic task's exact judge, so the embedded default only), with its 95% Wilson
-  interval over prompts;
+  count half), with its 95% Wilson interval over prompts;
 - rm_score: the mean score of its summaries under the reward model of its (base_model, seed), the
-  `reward_model_path` of that seed's online runs (SFT and DPO train without one), every policy's
-  summaries through the same path (hello_world_report.reward_scores);
-- length: mean response length in tokens (EOS not counted);
+  `reward_model_path` of that seed's PPO run (else of its other online runs; SFT and DPO train
+  without one, the control against a reward model that knows nothing), every policy's summaries
+  through the same path (hello_world_report.reward_scores);
+- length: mean response length in tokens (EOS not counted); length_minus_sft and
+  win_rate_minus_sft: the run's minus its seed's SFT run's;
 - kl: the online methods' KL to the SFT policy, `objective/kl` averaged over the last 5 updates
   (nats per response; SFT and DPO log none);
 - seconds_per_update: the online methods' median `time/update` (each update the same episodes).
-Per method (compare_table): the mean over seeds with its 95% t-interval (t with n - 1 degrees of
-freedom; no interval from one seed), the per-seed values, the win rate minus SFT's paired by seed
-with its interval and a verdict (`beats SFT` where the interval lies above 0, `below SFT` where it
-lies below, `not resolved` otherwise), and the seconds per update relative to PPO's.
+Per method (compare_table): per measure the mean over seeds with its 95% t-interval (t with n - 1
+degrees of freedom; no interval from one seed) and the per-seed values; for gold_minus_sft that is
+the mean of the per-seed paired differences, and its interval gives the verdict (gold_vs_sft:
+`beats SFT` where it lies above 0, `below SFT` where it lies below, `not resolved` otherwise); the
+win rate minus SFT's paired by seed with its interval and its own verdict (win_rate_vs_sft); the
+length minus SFT's; and the seconds per update relative to PPO's.
 
-Writes to --out: compare_runs.{csv,md}, compare_table.{csv,md} (compare_table_full: every number),
-compare_phases.{csv,md} (the online methods' median seconds per update by phase, mean over seeds),
-compare.{png,pdf} (one panel per measure: each seed a dot, the mean a bar with its 95% interval),
-runs_used_compare_table.{csv,md}.
+Writes to --out: compare_runs.{csv,md}, compare_table.{csv,md} (readable, led by the paired gold
+difference and its verdict; compare_table_full: every number), compare_summary.csv (one row per
+method but SFT: exactly method, seeds, gold_minus_sft, gold_minus_sft_low, gold_minus_sft_high,
+win_rate_minus_sft, length_minus_sft, kl; a leading base_model column when the runs hold more than
+one base model), compare_phases.{csv,md} (the online methods' median seconds per update by phase,
+mean over seeds), compare.{png,pdf} (one panel per measure: each seed a dot, the mean a bar with its
+95% interval), runs_used_compare_table.{csv,md}.
 """
 
 import json
@@ -37,10 +51,10 @@ import pandas as pd
 import tyro
 
 from common import OTHER_METHODS, local_runs, policy_colors, policy_labels, save_figure, use_runs, write_table
-from judges import gold_verdicts, win_counts
-from rlhf_scaling_plot import response_lengths, run_tokenizer
+from rlhf_scaling_plot import PAIRED_COLUMNS, paired_with_sft, response_lengths, run_tokenizer
 
-from summarize_from_feedback_details.win_rates import t_interval, wilson_interval
+from summarize_from_feedback_details.synthetic_tldr import gold_score
+from summarize_from_feedback_details.win_rates import scores_by_query, t_interval, wilson_interval
 
 
 @dataclass
@@ -65,9 +79,14 @@ class Args:
     """folder for the tables (CSV, markdown) and the plot (PNG, PDF)"""
 
 
-MEASURES = {"win_rate": "gold-judge win rate vs reference", "rm_score": "reward-model score",
+# one panel each in compare.png, in this order: the headline first
+MEASURES = {"gold_minus_sft": "mean gold minus SFT (paired per prompt)", "gold": "mean gold score",
+            "win_rate": "gold-judge win rate vs reference", "rm_score": "reward-model score",
             "kl": "KL to SFT (nats, last updates)", "length": "response length (tokens)",
             "seconds_per_update": "seconds per update"}
+# the columns of compare_summary.csv, one row per method but SFT
+SUMMARY_COLUMNS = ["method", "seeds", "gold_minus_sft", "gold_minus_sft_low", "gold_minus_sft_high",
+                   "win_rate_minus_sft", "length_minus_sft", "kl"]
 
 
 def read_logged(folder: str) -> list:
@@ -103,13 +122,21 @@ def phase_table(per_run: pd.DataFrame, phases: dict) -> pd.DataFrame:
     return pd.DataFrame(rows).fillna(0.0)
 
 
-def reward_model_of(runs: list) -> dict:
-    """{(base_model, seed): reward_model_path} from the runs that name one (the online methods')."""
-    found = {}
-    for run in runs:
+def reward_model_of(runs: list, ppo_exp_name: str) -> dict:
+    """{(base_model, seed): reward_model_path} from the runs that name one (the online methods'): the
+    PPO run's, else the path most of that seed's runs name (ties: the first in name order). Not simply
+    the first found: the control names a reward model that knows nothing, and scoring every summary
+    with it would make the RM score column noise."""
+    named = {}
+    for run in sorted(runs, key=lambda r: r.name):
         path = run.config.get("reward_model_path")
         if path and os.path.isdir(path):
-            found.setdefault((run.config["base_model"], run.config["seed"]), path)
+            named.setdefault((run.config["base_model"], run.config["seed"]), []).append((run.config["exp_name"], path))
+    found = {}
+    for key, paths in named.items():
+        ppo = [path for exp_name, path in paths if exp_name == ppo_exp_name]
+        counts = pd.Series([path for _, path in paths]).value_counts(sort=False)
+        found[key] = ppo[0] if ppo else counts.index[counts.argmax()]
     return found
 
 
@@ -129,28 +156,55 @@ def score_table(table: pd.DataFrame, reward_model_path: Optional[str], loaded: d
 
 
 def run_row(run, logged: list, label: str, reward_model_path: Optional[str], last_updates: int, loaded: dict,
-            tokenizers: dict) -> dict:
+            tokenizers: dict) -> tuple:
+    """The run's measures (the paired ones are added by paired_with_sft), and {query: gold score} of
+    its summaries for that pairing (or why there is none: a repeated query)."""
     table = pd.read_csv(os.path.join(run.folder, "validation_table.csv"), keep_default_na=False)
-    rows = list(zip(table["query"].astype(str), table["postprocessed_response"].astype(str),
-                    table["reference_responses"].astype(str)))
+    queries = list(table["query"].astype(str))
+    # each summary and reference scored once: the win rate is gold_preference's (ties half) from them
+    gold = np.array([gold_score(q, r) for q, r in zip(queries, table["postprocessed_response"].astype(str))])
+    reference = np.array([gold_score(q, r) for q, r in zip(queries, table["reference_responses"].astype(str))])
+    win_rate = float(np.mean(np.where(gold > reference, 1.0, np.where(gold < reference, 0.0, 0.5))))
+    ci_low, ci_high = wilson_interval(win_rate, len(queries))
     kl = metric_values(logged, "objective/kl")[-last_updates:]
     seconds = metric_values(logged, "time/update") if kl else []  # online methods only
     tokenizer = run_tokenizer(run, None, tokenizers)
-    win_rate = win_counts(gold_verdicts(rows))["win_rate"]
-    ci_low, ci_high = wilson_interval(win_rate, len(rows))
+    try:
+        by_query = scores_by_query(queries, gold, run.name)
+    except ValueError as error:
+        by_query = str(error)
     return {"policy": label, "base_model": run.config["base_model"], "seed": run.config["seed"], "run_name": run.name,
-            "rows": len(rows), "win_rate": win_rate, "win_rate_ci_low": ci_low, "win_rate_ci_high": ci_high,
-            "rm_score": score_table(table, reward_model_path, loaded),
+            "rows": len(queries), "gold": float(gold.mean()), "win_rate": win_rate, "win_rate_ci_low": ci_low,
+            "win_rate_ci_high": ci_high, "rm_score": score_table(table, reward_model_path, loaded),
             "kl": float(np.mean(kl)) if kl else np.nan,
             "length": float(np.mean(response_lengths(list(table["postprocessed_response"].astype(str)), tokenizer))),
-            "seconds_per_update": float(np.median(seconds)) if seconds else np.nan, "updates": len(seconds)}
+            "seconds_per_update": float(np.median(seconds)) if seconds else np.nan, "updates": len(seconds)}, by_query
+
+
+def minus_sft(per_run: pd.DataFrame, measures: tuple = ("win_rate", "length")) -> pd.DataFrame:
+    """`per_run` with <measure>_minus_sft: each run's value minus that of the SFT run of the same
+    (base_model, seed) (NaN for SFT runs and runs without one)."""
+    sft = per_run[per_run["policy"] == "SFT"].set_index(["base_model", "seed"])
+    keys = pd.MultiIndex.from_frame(per_run[["base_model", "seed"]])
+    columns = {}
+    for measure in measures:
+        baseline = sft[measure].reindex(keys).to_numpy(dtype=float)
+        columns[f"{measure}_minus_sft"] = np.where(per_run["policy"] == "SFT", np.nan,
+                                                   per_run[measure].to_numpy(dtype=float) - baseline)
+    return per_run.assign(**columns)
+
+
+def verdict(low: float, high: float) -> str:
+    """Where a 95% interval of a difference to SFT lies: above 0, below 0, or across it (also: none)."""
+    return "beats SFT" if low > 0 else "below SFT" if high < 0 else "not resolved"
 
 
 def summarize(per_run: pd.DataFrame, order: list) -> pd.DataFrame:
     """One row per (base_model, policy): per measure the mean over seeds, its 95% t-interval and the
-    per-seed values; the win rate minus SFT's of the same seed; seconds per update relative to PPO's."""
+    per-seed values (for gold_minus_sft: the per-seed paired gold differences, and their verdict
+    gold_vs_sft); the win rate and the length minus SFT's of the same seed (the win rate's with its
+    interval and verdict); seconds per update relative to PPO's."""
     rows = []
-    sft = per_run[per_run["policy"] == "SFT"].set_index(["base_model", "seed"])["win_rate"]
     ppo_seconds = per_run[per_run["policy"] == "PPO"].groupby("base_model")["seconds_per_update"].mean()
     for (base_model, policy), frame in per_run.groupby(["base_model", "policy"], sort=False):
         frame = frame.sort_values("seed")
@@ -161,12 +215,15 @@ def summarize(per_run: pd.DataFrame, order: list) -> pd.DataFrame:
             low, high = t_interval(values)
             row.update({measure: values.mean() if len(values) else np.nan, f"{measure}_ci_low": low,
                         f"{measure}_ci_high": high, f"{measure}_per_seed": " ".join(f"{v:.4g}" for v in values)})
-        paired = [w - sft[(base_model, s)] for s, w in zip(frame["seed"], frame["win_rate"]) if (base_model, s) in sft]
+        paired = frame["win_rate_minus_sft"].dropna().to_numpy(dtype=float)
         low, high = t_interval(paired)
-        row.update({"minus_sft": np.mean(paired) if paired and policy != "SFT" else np.nan,
-                    "minus_sft_ci_low": low, "minus_sft_ci_high": high,
-                    "vs_sft": "" if policy == "SFT" or not paired else
-                    "beats SFT" if low > 0 else "below SFT" if high < 0 else "not resolved",
+        lengths = frame["length_minus_sft"].dropna()
+        row.update({"gold_vs_sft": "" if policy == "SFT" or np.isnan(row["gold_minus_sft"]) else
+                    verdict(row["gold_minus_sft_ci_low"], row["gold_minus_sft_ci_high"]),
+                    "win_rate_minus_sft": paired.mean() if len(paired) else np.nan,
+                    "win_rate_minus_sft_ci_low": low, "win_rate_minus_sft_ci_high": high,
+                    "win_rate_vs_sft": "" if not len(paired) else verdict(low, high),
+                    "length_minus_sft": lengths.mean() if len(lengths) else np.nan,
                     "seconds_vs_ppo": row["seconds_per_update"] / ppo_seconds.get(base_model, np.nan)})
         rows.append(row)
     frame = pd.DataFrame(rows)
@@ -175,20 +232,41 @@ def summarize(per_run: pd.DataFrame, order: list) -> pd.DataFrame:
         .reset_index(drop=True)
 
 
+def summary_csv(summary: pd.DataFrame) -> pd.DataFrame:
+    """compare_summary.csv: per method but SFT the seeds, the paired gold difference to SFT (mean over
+    seeds of the per-seed ones) with its 95% t-interval, the win rate and the length minus SFT's, and
+    the KL (empty for DPO); a base_model column leads only when the runs hold several base models."""
+    methods = summary[summary["policy"] != "SFT"]
+    frame = pd.DataFrame({"base_model": methods["base_model"], "method": methods["policy"],
+                          "seeds": methods["n_seeds"], "gold_minus_sft": methods["gold_minus_sft"],
+                          "gold_minus_sft_low": methods["gold_minus_sft_ci_low"],
+                          "gold_minus_sft_high": methods["gold_minus_sft_ci_high"],
+                          "win_rate_minus_sft": methods["win_rate_minus_sft"],
+                          "length_minus_sft": methods["length_minus_sft"], "kl": methods["kl"]})
+    several = summary["base_model"].nunique() > 1
+    return frame[(["base_model"] if several else []) + SUMMARY_COLUMNS].reset_index(drop=True)
+
+
 def readable(summary: pd.DataFrame) -> pd.DataFrame:
-    """The table a reader wants: 'mean [low, high]' per measure, the per-seed values, the verdict."""
-    def cell(row, measure, digits=3):
+    """The table a reader wants, led by the headline: the paired gold difference to SFT, 'mean [low,
+    high]' over seeds, and its verdict; then the mean gold score, the win rate against the reference
+    (the paper's number) and the other measures, the per-seed values of the two differences beside them."""
+    def cell(row, measure, digits=3, sign=""):
         if np.isnan(row[measure]):
             return ""
         if np.isnan(row[f"{measure}_ci_low"]):
-            return f"{row[measure]:.{digits}f}"
-        return f"{row[measure]:.{digits}f} [{row[f'{measure}_ci_low']:.{digits}f}, {row[f'{measure}_ci_high']:.{digits}f}]"
+            return f"{row[measure]:{sign}.{digits}f}"
+        return (f"{row[measure]:{sign}.{digits}f} [{row[f'{measure}_ci_low']:.{digits}f}, "
+                f"{row[f'{measure}_ci_high']:.{digits}f}]")
 
     return pd.DataFrame([{
         "base model": row["base_model"].rstrip("/").split("/")[-1], "method": row["policy"], "seeds": row["seeds"],
-        "gold win rate, mean [95% CI]": cell(row, "win_rate"), "per seed": row["win_rate_per_seed"],
-        "minus SFT, paired [95% CI]": cell(row, "minus_sft"), "vs SFT": row["vs_sft"],
+        "gold minus SFT, paired [95% CI]": cell(row, "gold_minus_sft", sign="+"), "vs SFT": row["gold_vs_sft"],
+        "per seed": row["gold_minus_sft_per_seed"], "mean gold": cell(row, "gold"),
+        "gold win rate vs reference [95% CI]": cell(row, "win_rate"), "win rate per seed": row["win_rate_per_seed"],
+        "win rate minus SFT [95% CI]": cell(row, "win_rate_minus_sft", sign="+"),
         "RM score": cell(row, "rm_score"), "KL": cell(row, "kl", 2), "length": cell(row, "length", 1),
+        "length minus SFT": "" if np.isnan(row["length_minus_sft"]) else f"{row['length_minus_sft']:+.1f}",
         "s / update": cell(row, "seconds_per_update", 2),
         "x PPO": "" if np.isnan(row["seconds_vs_ppo"]) else f"{row['seconds_vs_ppo']:.2f}",
     } for _, row in summary.iterrows()])
@@ -210,6 +288,8 @@ def plot(per_run: pd.DataFrame, summary: pd.DataFrame, colors: dict, out: str) -
         ax.grid(axis="y", alpha=0.3)
         if measure == "win_rate":
             ax.axhline(0.5, color="gray", linestyle="--", linewidth=1)
+        if measure == "gold_minus_sft":  # SFT's level: a bar whose interval crosses it is not resolved
+            ax.axhline(0.0, color="gray", linestyle="--", linewidth=1)
     fig.suptitle("TL;DR validation, embedded default: mean over seeds (bar) with its 95% t-interval, each seed a dot")
     fig.tight_layout()
     save_figure(fig, out, "compare")
@@ -223,19 +303,25 @@ def main(args: Args) -> None:
         os.path.join(run.folder, "validation_table.csv")) else "no validation_table", "compare_table")
     if not runs:
         raise SystemExit(f"no run with a validation table in {where}")
-    reward_models, loaded, tokenizers = reward_model_of(runs), {}, {}
+    reward_models, loaded, tokenizers = reward_model_of(runs, args.ppo_exp_name), {}, {}
     logged = {run.name: read_logged(run.folder) for run in runs}
-    per_run = pd.DataFrame([
-        run_row(run, logged[run.name], labels[run.config["exp_name"]],
-                reward_models.get((run.config["base_model"], run.config["seed"])), args.last_updates, loaded,
-                tokenizers) for run in runs])
+    measured = [run_row(run, logged[run.name], labels[run.config["exp_name"]],
+                        reward_models.get((run.config["base_model"], run.config["seed"])), args.last_updates, loaded,
+                        tokenizers) for run in runs]
+    per_run = pd.DataFrame([row for row, _ in measured])
+    gold = {row["run_name"]: by_query for row, by_query in measured}
     order = [label for label in labels.values() if label in set(per_run["policy"])]
     per_run = per_run.assign(_rank=per_run["policy"].map(order.index)).sort_values(
         ["base_model", "_rank", "seed"], kind="stable").drop(columns="_rank").reset_index(drop=True)
+    per_run = minus_sft(paired_with_sft(per_run, gold))
+    # the headline columns after the run's name, as in the tables below
+    first = ["policy", "base_model", "seed", "run_name", "rows", *PAIRED_COLUMNS, "gold"]
+    per_run = per_run[first + [c for c in per_run.columns if c not in first]]
     write_table(per_run, args.out, "compare_runs")
     summary = summarize(per_run, order)
     write_table(summary, args.out, "compare_table_full")
     write_table(readable(summary), args.out, "compare_table")
+    summary_csv(summary).to_csv(os.path.join(args.out, "compare_summary.csv"), index=False)
     phases = {name: phase_seconds(lines) for name, lines in logged.items()
               if metric_values(lines, "objective/kl")}  # the online methods
     write_table(phase_table(per_run, phases), args.out, "compare_phases")

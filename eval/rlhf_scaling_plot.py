@@ -27,7 +27,10 @@ Writes to --out:
 - rlhf_scale_plot_runs.{csv,md}: per run counts (wins, ties, losses, unparsed), win rate with its 95%
   Wilson interval over prompts (ties half), the length-controlled win rate with its 95% bootstrap
   interval, mean length, and with the chat judge in both orders the flips and the flip rate (by
-  policy, then in run order);
+  policy, then in run order); with the gold judge also the run's mean gold score (`gold`) and, paired
+  per prompt with the SFT run of its (base_model, seed), its mean gold score minus SFT's with the
+  95% bootstrap interval over prompts (`gold_minus_sft`, the embedded default's headline) and its
+  head-to-head rate against SFT with its Wilson interval (`head_to_head_sft`); NaN with the chat judge;
 - rlhf_scale_plot_token_length.{png,pdf,csv,md}: each run's win rate vs its mean response length,
   and the win rate in response-length bins (all sizes and seeds of a policy pooled);
 - judged/<run_name>.csv: every row with its verdict (and the chat judge's reply).
@@ -49,8 +52,9 @@ from common import (OTHER_METHODS, console, either, find_runs, finish_scaling_ax
                     shifts, use_runs, write_table)
 from judges import EOS_TEXT, PAD_TEXT, ChatJudge, ChatJudgeConfig, gold_verdicts, win_counts
 
+from summarize_from_feedback_details.synthetic_tldr import gold_score
 from summarize_from_feedback_details.win_rates import (length_controlled_interval, length_controlled_win_rate,
-                                                       outcome_of, wilson_interval)
+                                                       outcome_of, paired_comparison, scores_by_query, wilson_interval)
 
 
 @dataclass
@@ -146,9 +150,10 @@ def run_tokenizer(run, override: Optional[str], loaded: dict):
 def per_run_table(judged: pd.DataFrame, order: list) -> pd.DataFrame:
     """One row per run: verdict counts, win rate (ties half, unparsed left out) with its 95% Wilson
     interval over prompts, the length-controlled win rate (win on the length difference to the
-    reference, read at zero) with its 95% bootstrap interval, mean length, and with the chat judge in
-    both orders the flips (verdicts that changed with the order) and their share of the rows judged
-    in both; by policy in `order` (labels), the runs of a policy in the order use_runs gave them."""
+    reference, read at zero) with its 95% bootstrap interval, mean length, mean gold score (NaN with the
+    chat judge), and with the chat judge in both orders the flips (verdicts that changed with the
+    order) and their share of the rows judged in both; by policy in `order` (labels), the runs of a
+    policy in the order use_runs gave them."""
     rows = []
     for (policy, base_model, model_size, seed, run_name), frame in judged.groupby(
             ["policy", "base_model", "model_size", "seed", "run_name"], sort=False):
@@ -165,9 +170,52 @@ def per_run_table(judged: pd.DataFrame, order: list) -> pd.DataFrame:
                      "ci_low": ci[0], "ci_high": ci[1],
                      "lc_win_rate": length_controlled_win_rate(outcomes, difference.to_numpy(float)),
                      "lc_ci_low": lc_ci[0], "lc_ci_high": lc_ci[1], "mean_length": frame["length"].mean(),
+                     "gold": frame["gold"].mean(),
                      "flips": int(pairs.astype(bool).sum()) if len(pairs) else np.nan,
                      "flip_rate": float(pairs.astype(bool).mean()) if len(pairs) else np.nan})
     return by_policy(pd.DataFrame(rows), order, [])
+
+
+PAIRED_COLUMNS = ("gold_minus_sft", "gold_minus_sft_ci_low", "gold_minus_sft_ci_high", "head_to_head_sft",
+                  "head_to_head_sft_ci_low", "head_to_head_sft_ci_high")
+
+
+def paired_with_sft(per_run: pd.DataFrame, scores: dict) -> pd.DataFrame:
+    """`per_run` (columns policy, base_model, seed, run_name) with PAIRED_COLUMNS: each run against the
+    SFT run of its (base_model, seed), the policy it started from, paired per prompt on the gold judge's
+    scores (`scores`: {run_name: {query: score}}, or a string saying why a run has none): the mean
+    score difference with its 95% bootstrap interval over prompts and the head-to-head rate (ties
+    half) with its Wilson interval (win_rates.paired_comparison). NaN for SFT runs, runs without an
+    SFT run of their seed, and pairs that cannot be paired (other prompts, a repeated query: warned)."""
+    sft = {(r.base_model, r.seed): r.run_name for r in per_run.itertuples() if r.policy == "SFT"}
+    rows = []
+    for run in per_run.itertuples():
+        baseline = sft.get((run.base_model, run.seed)) if run.policy != "SFT" else None
+        row = dict.fromkeys(PAIRED_COLUMNS, np.nan)
+        if baseline is not None:
+            try:
+                why = next((scores[n] for n in (run.run_name, baseline) if isinstance(scores[n], str)), None)
+                if why:
+                    raise ValueError(why)
+                paired = paired_comparison(scores[run.run_name], scores[baseline])
+                row = dict(zip(PAIRED_COLUMNS, (paired["difference"], *paired["difference_ci"], paired["head_to_head"],
+                                                *paired["head_to_head_ci"])))
+            except ValueError as error:
+                console.print(f"[yellow]warning:[/yellow] {run.run_name} not paired with {baseline}: {error}")
+        rows.append(row)
+    return pd.concat([per_run.reset_index(drop=True), pd.DataFrame(rows, columns=list(PAIRED_COLUMNS))], axis=1)
+
+
+def gold_by_query(judged: pd.DataFrame) -> dict:
+    """{run_name: {query: gold score}} of every run judged with the gold judge (scores_by_query: a
+    repeated query is refused, so a run holding one gets the reason instead)."""
+    scores = {}
+    for run_name, frame in judged.groupby("run_name", sort=False):
+        try:
+            scores[run_name] = scores_by_query(frame["query"], frame["gold"], run_name)
+        except ValueError as error:
+            scores[run_name] = str(error)
+    return scores
 
 
 def length_bin_table(judged: pd.DataFrame, n_bins: int, order: list) -> pd.DataFrame:
@@ -236,8 +284,10 @@ def main(args: Args) -> None:
         }))
     judged = pd.concat(frames, ignore_index=True)
     rows = list(zip(judged["query"], judged["response"], judged["reference"]))
+    judged["gold"] = np.nan  # the synthetic task's gold score of each response: the paired headline
     if judge is None:
         judged["verdict"] = gold_verdicts(rows)
+        judged["gold"] = [gold_score(query, response) for query, response, _ in rows]
     else:
         results = pd.DataFrame(judge.judge(rows))
         for column in ("verdict", "flipped", "policy_slot", "preferred", "reply"):
@@ -248,6 +298,10 @@ def main(args: Args) -> None:
 
     # 3. win rate vs model size
     per_run = per_run_table(judged, order)
+    if judge is None:
+        per_run = paired_with_sft(per_run, gold_by_query(judged))
+    else:
+        per_run = per_run.assign(**dict.fromkeys(PAIRED_COLUMNS, np.nan))
     write_table(per_run, args.out, "rlhf_scale_plot_runs")
     unjudged = per_run[per_run["win_rate"].isna()]
     if len(unjudged):

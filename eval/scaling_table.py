@@ -5,8 +5,9 @@ mean over seeds with its 95% t-interval and every seed's value, and whether the 
 
 Reads the tables that eval/sft_rm_scale.py and eval/rlhf_scaling_plot.py wrote into --plots_dir
 (rouge_score_plot, rm_scale_plot, rlhf_scale_plot and its per-run rlhf_scale_plot_runs), so its
-numbers are the plotted ones. The last row, PPO's win rate minus SFT's, pairs the two policies of
-the same size and seed (PPO starts from that seed's SFT). Writes scaling_table.{csv,md} there and
+numbers are the plotted ones. The last two rows pair PPO with the SFT of the same size and seed (PPO
+starts from that seed's SFT): its mean gold score minus SFT's, paired per prompt (the embedded
+default's headline), and its win rate minus SFT's. Writes scaling_table.{csv,md} there and
 prints the table.
 """
 
@@ -30,6 +31,8 @@ METRICS = (
     ("PPO gold-judge win rate", "rlhf_scale_plot", "policy", "PPO"),
 )
 PPO_GAIN = "PPO minus SFT win rate (same seed)"
+PPO_GOLD_GAIN = "PPO minus SFT, mean gold (paired per prompt, same seed)"
+GAINS = (PPO_GOLD_GAIN, PPO_GAIN)
 
 
 @dataclass
@@ -56,6 +59,16 @@ def ppo_gain(runs: pd.DataFrame) -> pd.DataFrame:
     return seed_summary(per_seed, ["base_model", "model_size"]) if len(per_seed) else pd.DataFrame()
 
 
+def ppo_gold_gain(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per (base_model, seed): PPO's mean gold score minus that of the SFT it started from, paired per
+    prompt (rlhf_scaling_plot's gold_minus_sft; the embedded default's headline), summarised over seeds."""
+    if "gold_minus_sft" not in runs.columns:
+        return pd.DataFrame()
+    per_seed = runs[runs["policy"] == "PPO"].dropna(subset=["gold_minus_sft"])
+    per_seed = per_seed[["base_model", "model_size", "seed", "gold_minus_sft"]].rename(columns={"gold_minus_sft": "value"})
+    return seed_summary(per_seed, ["base_model", "model_size"]) if len(per_seed) else pd.DataFrame()
+
+
 def long_table(plots_dir: str) -> pd.DataFrame:
     """One row per (metric, model size): seeds, their values, mean and std."""
     frames = []
@@ -64,9 +77,10 @@ def long_table(plots_dir: str) -> pd.DataFrame:
         if column is not None:
             table = table[table[column] == value]
         frames.append(table.assign(metric=label))
-    gain = ppo_gain(read_table(plots_dir, "rlhf_scale_plot_runs"))
-    if len(gain):
-        frames.append(gain.assign(metric=PPO_GAIN))
+    runs = read_table(plots_dir, "rlhf_scale_plot_runs")
+    for metric, gain in ((PPO_GOLD_GAIN, ppo_gold_gain(runs)), (PPO_GAIN, ppo_gain(runs))):
+        if len(gain):
+            frames.append(gain.assign(metric=metric))
     columns = ["metric", "base_model", "model_size", "n_seeds", "seeds", "values", "mean", "std", "ci_low", "ci_high"]
     return pd.concat([f[columns] for f in frames], ignore_index=True)
 
@@ -90,15 +104,17 @@ def results_table(long: pd.DataFrame) -> pd.DataFrame:
     header = {b: f"{format_size(s)} ({os.path.basename(b.rstrip('/'))})"
               for b, s in zip(sizes["base_model"], sizes["model_size"])}
     rows = []
-    for metric in [m[0] for m in METRICS] + [PPO_GAIN]:
+    for metric in [m[0] for m in METRICS] + list(GAINS):
         frame = long[long["metric"] == metric].sort_values("model_size")
         if not len(frame):
             continue
         row = {"metric": metric, **{header[b]: "" for b in header}}
         row.update({header[b]: cell(r) for b, (_, r) in zip(frame["base_model"], frame.iterrows())})
-        if metric == PPO_GAIN:
+        if metric in GAINS:
             ahead = [os.path.basename(b.rstrip("/")) for b, m in zip(frame["base_model"], frame["mean"]) if m > 0]
             row["check"] = f"PPO ahead at {', '.join(ahead)}" if ahead else "PPO ahead at no size"
+            if metric == PPO_GOLD_GAIN and len(frame) == len(header) and rises(list(frame["mean"])):
+                row["check"] += "; the gain grows with size"
         else:
             complete = len(frame) == len(header)
             row["check"] = "rises with size" if complete and rises(list(frame["mean"])) else "does not rise"

@@ -5,8 +5,17 @@
 Reads the run folders the stages wrote (`runs/hello_world_<stage>/`), judges the reward model's
 eval tables and the policies' validation tables with the synthetic task's gold judge (embedded
 default only; real data needs the chat judge of eval/rlhf_scaling_plot.py), and scores the SFT,
-PPO and DPO summaries (and those of RLOO, GRPO and online DPO with ALGOS=all) with the same reward
-model. A stage that has not run yet is left out.
+PPO and DPO summaries (and those of RLOO, GRPO, online DPO and the PPO control with ALGOS=all) with
+the same reward model. Per policy, in this order:
+- the headline (DESIGN.md section 6), every policy but SFT: its mean gold score minus SFT's, paired
+  per prompt (the same validation prompt's two summaries; win_rates.paired_comparison), with its 95%
+  bootstrap interval over prompts, and its head-to-head rate against SFT (gold judge, ties half) with
+  its Wilson interval;
+- its mean gold score; its gold-judge win rate against the reference summaries (the paper's number)
+  and the length-controlled one; its mean reward-model score and response length; its KL to SFT.
+A stage that has not run yet is left out, and so are the gold rows with --no_gold_judge (real data).
+The same numbers, with their intervals, the RM and DPO accuracies and the number of prompts, are
+written as JSON beside the plots: <plots_dir>/hello_world_report.json.
 """
 
 import json
@@ -23,12 +32,14 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from summarize_from_feedback_details import win_rates
-from summarize_from_feedback_details.synthetic_tldr import gold_preference, reward_gold_agreement
+from summarize_from_feedback_details.synthetic_tldr import gold_preference, gold_score, reward_gold_agreement
 
 
-# (label, run folder suffix) of the policies after SFT, as hello_world.sh names their runs (ALGOS)
+# (label, run folder suffix) of the policies after SFT, as hello_world.sh names their runs (ALGOS);
+# the control is PPO against a reward model that knows nothing: it must not beat SFT
 DPO_AND_ONLINE_METHODS = (("PPO", "ppo"), ("DPO", "dpo"), ("RLOO k=2", "rloo"), ("RLOO k=4", "rloo_k4"),
-                          ("GRPO k=4", "grpo"), ("online DPO", "online_dpo"))
+                          ("GRPO k=4", "grpo"), ("online DPO", "online_dpo"), ("control", "ppo_control"))
+JSON_NAME = "hello_world_report.json"
 
 
 @dataclass
@@ -90,9 +101,15 @@ def policy_summary(table: pd.DataFrame, reward_model, tokenizer) -> dict:
     }
 
 
-def with_interval(value: float, interval: tuple) -> str:
-    """'0.178 [0.140, 0.221]': a rate and its 95% interval."""
-    return f"{value:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
+def with_interval(value: float, interval: tuple, sign: str = "") -> str:
+    """'0.178 [0.140, 0.221]': a rate (or mean) and its 95% interval; sign='+' for a difference."""
+    return f"{value:{sign}.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
+
+
+def estimate(value: float, interval: tuple, **more) -> dict:
+    """A number with its interval, as the JSON holds it (NaN as null: JSON has no NaN)."""
+    finite = lambda x: float(x) if np.isfinite(x) else None  # noqa: E731
+    return {"value": finite(value), "low": finite(interval[0]), "high": finite(interval[1]), **more}
 
 
 def metric_history(run_folder: str, key: str) -> list:
@@ -101,69 +118,180 @@ def metric_history(run_folder: str, key: str) -> list:
         return [m[key] for m in map(json.loads, f) if key in m]
 
 
-def collect(args: Args) -> list:
-    """(what, value) rows for every stage that has a run folder."""
-    rows = []
+def gold_numbers(table: pd.DataFrame, name: str) -> tuple:
+    """The gold judge on a validation table, scoring each summary once: ({"gold_score": mean with its
+    bootstrap interval over prompts, "win_rate": against the reference summaries (ties half) with its
+    Wilson interval}, {query: gold score} for the pairing with SFT, or why there is none: a query that
+    repeats)."""
+    queries = list(table["query"])
+    scores = np.array([gold_score(q, r) for q, r in zip(queries, table["postprocessed_response"])])
+    references = np.array([gold_score(q, r) for q, r in zip(queries, table["reference_responses"])])
+    wins = np.where(scores > references, 1.0, np.where(scores < references, 0.0, 0.5))  # = gold_preference
+    numbers = {"gold_score": estimate(scores.mean(), win_rates.bootstrap_interval(scores)),
+               "win_rate": estimate(wins.mean(), win_rates.wilson_interval(float(wins.mean()), len(wins)))}
+    try:
+        return numbers, win_rates.scores_by_query(queries, scores, f"{name}'s validation table")
+    except ValueError as error:  # reported on the paired row; the policy's own numbers stand
+        return numbers, str(error)
+
+
+def paired_with_sft(scores, sft_scores) -> dict:
+    """The headline numbers of a policy against SFT (win_rates.paired_comparison of their gold_numbers'
+    {query: score}), or why there are none (the tables' prompts differ, or one repeats a query)."""
+    why = next((s for s in (scores, sft_scores) if isinstance(s, str)), None)
+    try:
+        paired = None if why else win_rates.paired_comparison(scores, sft_scores)
+    except ValueError as error:
+        why = str(error)
+    if why:
+        return {"not_paired": why}
+    return {"gold_minus_sft": estimate(paired["difference"], paired["difference_ci"], prompts=paired["prompts"]),
+            "head_to_head_vs_sft": estimate(paired["head_to_head"], paired["head_to_head_ci"])}
+
+
+def gather(args: Args) -> dict:
+    """Every number of the report, for the table (sections) and the JSON file: the SFT ROUGE-L, the
+    reward model's and DPO's pair accuracies, and per policy that has run (SFT first) its numbers with
+    their intervals (see the module docstring); keys are absent where a stage has not run."""
+    numbers = {"accuracy": {}, "policies": {}}
     sft = os.path.join(args.runs_dir, f"{args.prefix}sft")
     if os.path.isdir(sft):
-        metrics = last_metrics(sft)
-        rows.append(("SFT ROUGE-L (validation)", f"{metrics['validation/sft/rouge/rougeL']:.3f}"))
+        numbers["sft_rouge_l"] = last_metrics(sft)["validation/sft/rouge/rougeL"]
     # the reward model's accuracy, and DPO's with its implicit reward (same tables, same judge)
-    for what, stage in (("RM", "reward"), ("DPO implicit-reward", "dpo")):
+    for what, stage in (("reward_model", "reward"), ("dpo_implicit_reward", "dpo")):
         folder = os.path.join(args.runs_dir, f"{args.prefix}{stage}")
         if not os.path.isfile(os.path.join(folder, "eval_validation_table.csv")):
             continue
         metrics = last_metrics(folder)
-        for split, name in (("validation", "TL;DR validation"), ("validation_cnndm", "OOD (CNN/DM role)")):
+        for split in ("validation", "validation_cnndm"):
             table = pd.read_csv(os.path.join(folder, f"eval_{split}_table.csv"), keep_default_na=False)
-            rows.append((f"{what} accuracy, {name}", f"{metrics[f'eval/rm/{split}/accuracy']:.3f} ({len(table)} pairs)"))
+            entry = {"accuracy": metrics[f"eval/rm/{split}/accuracy"], "pairs": len(table)}
             if args.gold_judge:
-                agreement = reward_gold_agreement(table["query"], table["chosen"], table["rejected"],
-                                                  table["chosen_rewards"], table["rejected_rewards"])
-                rows.append((f"{what} agreement with the gold judge, {name}", f"{agreement:.3f}"))
-    policies = {name: os.path.join(args.runs_dir, f"{args.prefix}{stage}", "validation_table.csv")
-                for name, stage in (("SFT", "sft"), *DPO_AND_ONLINE_METHODS)}
-    policies = {name: path for name, path in policies.items() if os.path.exists(path)}
+                entry["gold_agreement"] = reward_gold_agreement(table["query"], table["chosen"], table["rejected"],
+                                                                table["chosen_rewards"], table["rejected_rewards"])
+            numbers["accuracy"].setdefault(what, {})[split] = entry
+    tables = {name: os.path.join(args.runs_dir, f"{args.prefix}{stage}", "validation_table.csv")
+              for name, stage in (("SFT", "sft"), *DPO_AND_ONLINE_METHODS)}
+    tables = {name: pd.read_csv(path, keep_default_na=False) for name, path in tables.items() if os.path.exists(path)}
     reward_model_dir = os.path.join(args.models_dir, "reward_model")
-    if policies and os.path.isdir(reward_model_dir):
+    reward_model = tokenizer = None
+    if tables and os.path.isdir(reward_model_dir):
         reward_model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
         tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
-        for name, path in policies.items():
-            summary = policy_summary(pd.read_csv(path, keep_default_na=False), reward_model, tokenizer)
+    sft_scores = None
+    for name, table in tables.items():
+        policy = numbers["policies"][name] = {"prompts": len(table)}
+        if args.gold_judge:
+            gold, scores = gold_numbers(table, name)
+            if name == "SFT":
+                sft_scores = scores
+            elif sft_scores is not None:  # the headline first: its keys lead the policy's dict
+                policy.update(paired_with_sft(scores, sft_scores))
+            policy.update(gold)
+        if reward_model is not None:
+            summary = policy_summary(table, reward_model, tokenizer)
             if args.gold_judge:
-                rows.append((f"{name} gold-judge win rate vs reference ({summary['rows']} prompts)",
-                             with_interval(summary["win_rate"], summary["ci"])))
-                rows.append((f"{name} length-controlled gold win rate", with_interval(summary["lc_win_rate"],
-                                                                                      summary["lc_ci"])))
-            rows.append((f"{name} mean reward-model score", f"{summary['rm_score']:.3f}"))
-            rows.append((f"{name} mean response length (tokens)", f"{summary['length']:.1f}"))
+                policy["lc_win_rate"] = estimate(summary["lc_win_rate"], summary["lc_ci"])
+            policy.update(rm_score=summary["rm_score"], length=summary["length"])
     for name, stage in DPO_AND_ONLINE_METHODS:
         folder = os.path.join(args.runs_dir, f"{args.prefix}{stage}")
         kl = metric_history(folder, "objective/kl")[-5:] if os.path.isfile(os.path.join(folder, "metrics.jsonl")) else []
         if kl:
-            rows.append((f"{name} KL to the SFT policy (nats per response, last 5 updates)", f"{np.mean(kl):.2f}"))
+            numbers["policies"].setdefault(name, {})["kl"] = float(np.mean(kl))
     if os.path.isdir(args.models_dir):
-        models = sorted(name for name in os.listdir(args.models_dir) if os.path.isdir(os.path.join(args.models_dir, name)))
-        rows.append(("models", f"{args.models_dir}/{{{','.join(models)}}}"))
+        numbers["models"] = sorted(name for name in os.listdir(args.models_dir)
+                                   if os.path.isdir(os.path.join(args.models_dir, name)))
     if os.path.isdir(args.plots_dir):
-        plots = [name for name in os.listdir(args.plots_dir) if name.endswith(".png")]
-        rows.append(("plots", f"{args.plots_dir} ({len(plots)} plots: PNG, PDF, CSV, markdown)"))
+        numbers["plots"] = len([name for name in os.listdir(args.plots_dir) if name.endswith(".png")])
+    return numbers
+
+
+ACCURACY_ROWS = (("reward_model", "RM"), ("dpo_implicit_reward", "DPO implicit-reward"))
+SPLIT_NAMES = {"validation": "TL;DR validation", "validation_cnndm": "OOD (CNN/DM role)"}
+
+
+def shown(entry: dict, sign: str = "") -> str:
+    """An estimate (see `estimate`) as the table shows it: '0.178 [0.140, 0.221]'."""
+    value, low, high = (np.nan if entry[key] is None else entry[key] for key in ("value", "low", "high"))
+    return with_interval(value, (low, high), sign)
+
+
+def policy_rows(name: str, policy: dict) -> list:
+    """A policy's rows, the paired difference to SFT first (the headline), then what the paper reports."""
+    rows = []
+    if "gold_minus_sft" in policy:
+        rows.append((f"{name} minus SFT, mean gold (paired, {policy['gold_minus_sft']['prompts']} prompts)",
+                     shown(policy["gold_minus_sft"], sign="+")))
+        rows.append((f"{name} head-to-head vs SFT", shown(policy["head_to_head_vs_sft"])))
+    if "not_paired" in policy:
+        rows.append((f"{name} minus SFT, mean gold (paired)", f"not paired: {policy['not_paired']}"))
+    if "gold_score" in policy:
+        rows.append((f"{name} mean gold score", shown(policy["gold_score"])))
+        rows.append((f"{name} gold-judge win rate vs reference ({policy['prompts']} prompts)", shown(policy["win_rate"])))
+    if "lc_win_rate" in policy:
+        rows.append((f"{name} length-controlled gold win rate", shown(policy["lc_win_rate"])))
+    if "rm_score" in policy:
+        rows.append((f"{name} mean reward-model score", f"{policy['rm_score']:.3f}"))
+        rows.append((f"{name} mean response length (tokens)", f"{policy['length']:.1f}"))
+    if "kl" in policy:
+        rows.append((f"{name} KL to the SFT policy (nats per response, last 5 updates)", f"{policy['kl']:.2f}"))
     return rows
+
+
+def sections(numbers: dict, args: Args) -> list:
+    """The table's rows in sections (a rule between them): the stages' own numbers, one section per
+    policy, then where things are."""
+    stages = []
+    if "sft_rouge_l" in numbers:
+        stages.append(("SFT ROUGE-L (validation)", f"{numbers['sft_rouge_l']:.3f}"))
+    for key, what in ACCURACY_ROWS:
+        for split, entry in numbers["accuracy"].get(key, {}).items():
+            stages.append((f"{what} accuracy, {SPLIT_NAMES[split]}", f"{entry['accuracy']:.3f} ({entry['pairs']} pairs)"))
+            if "gold_agreement" in entry:
+                stages.append((f"{what} agreement with the gold judge, {SPLIT_NAMES[split]}",
+                               f"{entry['gold_agreement']:.3f}"))
+    where = []
+    if "models" in numbers:
+        where.append(("models", f"{args.models_dir}/{{{','.join(numbers['models'])}}}"))
+    if "plots" in numbers:
+        where.append(("plots", f"{args.plots_dir} ({numbers['plots']} plots: PNG, PDF, CSV, markdown)"))
+    policies = [policy_rows(name, policy) for name, policy in numbers["policies"].items()]
+    return [rows for rows in (stages, *policies, where) if rows]
+
+
+def collect(args: Args) -> list:
+    """(what, value) rows for every stage that has a run folder."""
+    return [row for section in sections(gather(args), args) for row in section]
+
+
+def write_json(numbers: dict, args: Args) -> str:
+    """The report's numbers as <plots_dir>/hello_world_report.json, for scripts that compare runs."""
+    os.makedirs(args.plots_dir, exist_ok=True)
+    path = os.path.join(args.plots_dir, JSON_NAME)
+    with open(path, "w") as f:
+        json.dump({"runs_dir": args.runs_dir, "prefix": args.prefix, "models_dir": args.models_dir,
+                   "plots_dir": args.plots_dir, "gold_judge": args.gold_judge, **numbers}, f, indent=2)
+    return path
 
 
 def main(args: Args) -> None:
     transformers_logging.disable_progress_bar()  # (a load bar in the middle of the summary)
+    numbers = gather(args)
     table = Table(title="embedded default: results")
     table.add_column("metric")
     table.add_column("value", justify="right", overflow="fold")
-    for what, value in collect(args):
-        table.add_row(what, value)
+    for section in sections(numbers, args):
+        for what, value in section:
+            table.add_row(what, value)
+        table.add_section()
     console = Console()
     if not console.is_terminal:  # a log file: rich would assume 80 columns and wrap every label
         console.width = 120
     console.print(table)
-    console.print("[x, y]: 95% intervals over the validation prompts (win rate: Wilson; length-controlled: "
-                  "bootstrap); ties count half", markup=False, highlight=False)
+    console.print("[x, y]: 95% intervals over the validation prompts (paired gold difference to SFT and mean gold "
+                  "score: bootstrap; win rates and head-to-head: Wilson; length-controlled: bootstrap); ties count "
+                  "half", markup=False, highlight=False)
+    console.print(f"the same numbers: {write_json(numbers, args)}", markup=False, highlight=False)
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ class Args:
     local_eval_batch_size: int = 1
     """pairs per process in eval and rows per process in the normalisation pass"""
     total_episodes: Optional[int] = None
-    """defaults to len(train split) * num_train_epochs"""
+    """defaults to len(train split) * num_train_epochs; 0 trains nothing: the SFT backbone under its seeded
+    random head, normalised as usual (the reward model that knows nothing, `make compare`'s control)"""
     packing: bool = True
     """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
     gradient_checkpointing: bool = False
@@ -205,7 +206,7 @@ def derive_batch_sizes(args: Args, world_size: int, dataset_len: int) -> None:
     if args.total_episodes is None:
         args.total_episodes = dataset_len * args.num_train_epochs
     args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1:
+    if args.num_updates < 1 and args.total_episodes != 0:
         raise ValueError(f"total_episodes {args.total_episodes} < batch_size {args.batch_size}: no update possible")
 
 

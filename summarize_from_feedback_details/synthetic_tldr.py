@@ -39,20 +39,23 @@ class Args:
     """seed of the generator: the same seed writes the same files"""
     num_sft_train: int = 6000
     """posts with a reference summary in tldr_sft/train.jsonl"""
-    num_sft_validation: int = 500
+    num_sft_validation: int = 2000
     """posts with a reference summary in tldr_sft/validation.jsonl"""
     num_sft_test: int = 500
     """posts with a reference summary in tldr_sft/test.jsonl"""
-    num_comparison_train: int = 6000
+    num_comparison_train: int = 18000
     """comparison pairs in comparisons/train.jsonl"""
     num_comparison_validation: int = 1200
     """TL;DR comparison pairs in comparisons/validation.jsonl (the news pairs come on top)"""
-    num_comparison_validation_cnndm: int = 300
+    num_comparison_validation_cnndm: int = 900
     """out-of-distribution "news" comparisons in the validation split (batch names of CNN/DM)"""
     label_temperature: float = 0.8
     """Bradley-Terry temperature on gold-score margins: P(A preferred) = sigmoid((sA - sB) / T)"""
     long_post_fraction: float = 0.12
     """posts that get long filler paragraphs at the end, so smart truncation has work to do"""
+    minimal_pair_fraction: float = 0.3
+    """comparison pairs that are minimal pairs (`minimal_pair`: one summary against the same words with
+    one fact wrong or left out); the others compare the summaries of two policies (POLICY_WEIGHTS)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +242,13 @@ POLICY_WEIGHTS = {
     "sup_repeat": 1,   # states the problem twice
 }
 
+# How often the human reference states each optional fact (relation and problem: always).
+REFERENCE_KEEP = {"ask": 0.45, "duration": 0.2, "feeling": 0.25}
+# Of the minimal pairs whose edited fact is optional, the share that leaves it out (the rest state it wrong).
+MINIMAL_OMIT_SHARE = 0.5
+# Whether a summary names the feeling in the post's own word ("pissed" stays "pissed"), or in any word for it.
+FEELING_AS_IN_POST = True
+
 SCORE_WEIGHTS = {"relation": 1.0, "problem": 1.5, "ask": 1.0, "duration": 0.6, "feeling": 0.4}
 WRONG_FACT_PENALTY = 1.5
 FILLER_PENALTY = 0.6
@@ -419,7 +429,8 @@ def _sample_facts(rng: random.Random, subreddit: str) -> dict:
         "relation": relation,
         "problem": problem,
         "ask": rng.choice(sorted(ASKS)),
-        "feeling": rng.choice(sorted(FEELINGS)),
+        "feeling": (feeling := rng.choice(sorted(FEELINGS))),
+        "feeling_word": rng.choice(FEELINGS[feeling]),
         "duration": (rng.randint(2, 11), rng.choice(UNITS)),
         "age": rng.randint(18, 45),
         "gender": rng.choice("MF"),
@@ -461,7 +472,7 @@ def make_post(rng: random.Random, facts: dict, long_post: bool) -> tuple:
     issue = rng.choice(["Lately", "The thing is", "For the past few weeks"]) + f" {pron} {problem}."
     feeling = rng.choice([
         "I feel really {f} about it.", "Honestly it makes me {f}.", "I am so {f} right now.",
-    ]).format(f=rng.choice(FEELINGS[facts["feeling"]]))
+    ]).format(f=facts["feeling_word"])
     ask = rng.choice(ASKS[facts["ask"]][0]).format(obj=_obj(pron))
     fact_sentences = [intro, issue, feeling]
     sentences = []
@@ -484,40 +495,76 @@ def make_post(rng: random.Random, facts: dict, long_post: bool) -> tuple:
     return title, "\n\n".join(paragraphs)
 
 
-def _relation_phrase(rng: random.Random, facts: dict, with_duration: bool) -> str:
-    rel = rng.choice(RELATIONS[facts["relation"]][1])
-    n, unit = facts["duration"]
-    if not with_duration:
-        return rng.choice([f"my {rel}", rel])
-    return rng.choice([f"my {rel} of {n} {unit}", f"{rel} of {n} {unit}", f"my {rel} ({n} {unit})"])
-
-
 def summarize(rng: random.Random, facts: dict, include: set, news: bool = False) -> str:
     """A summary naming the relation and the problem, plus the optional facts in `include`
-    (any of ask, duration, feeling); `news` gives the third-person style of the OOD articles."""
+    (any of ask, duration, feeling); `news` gives the third-person style of the OOD articles.
+    Every wording choice is drawn whatever `include` and `facts` hold, so two summaries drawn from
+    the same rng state differ only in the facts they state (the minimal pairs)."""
     pron = RELATIONS[facts["relation"]][2]
-    subject = _relation_phrase(rng, facts, "duration" in include)
+    draws = [rng.random() for _ in range(6)]
+
+    def pick(options, k):
+        return options[int(draws[k] * len(options))]
+
+    rel = pick(RELATIONS[facts["relation"]][1], 0)
+    if "duration" in include:
+        n, unit = facts["duration"]
+        subject = pick([f"my {rel} of {n} {unit}", f"{rel} of {n} {unit}", f"my {rel} ({n} {unit})"], 1)
+    else:
+        subject = pick([f"my {rel}", rel], 1)
     if news:
         possessive = "her" if facts["gender"] == "F" else "his"
         person = "woman" if facts["gender"] == "F" else "man"
         subject = f"{person} says {possessive} {subject.removeprefix('my ')}"
-    clause = subject + " " + rng.choice(PROBLEMS[facts["problem"]][1])
+    clause = subject + " " + pick(PROBLEMS[facts["problem"]][1], 2)
     if "feeling" in include:
-        feeling = rng.choice(FEELINGS[facts["feeling"]])
-        clause += rng.choice([f" and I am {feeling}", f", I feel {feeling}", f", feeling {feeling}"])
+        feeling = pick(FEELINGS[facts["feeling"]], 3)
+        if FEELING_AS_IN_POST and facts["feeling_word"] in FEELINGS[facts["feeling"]]:
+            feeling = facts["feeling_word"]
+        clause += pick([f" and I am {feeling}", f", I feel {feeling}", f", feeling {feeling}"], 4)
     summary = clause + "."
     if "ask" in include:
-        summary += " " + rng.choice(ASKS[facts["ask"]][1]).format(obj=_obj(pron))
+        summary += " " + pick(ASKS[facts["ask"]][1], 5).format(obj=_obj(pron))
     return summary
 
 
+OPTIONAL_FACTS = ("ask", "duration", "feeling")
+
+
 def reference_summary(rng: random.Random, facts: dict, news: bool = False) -> str:
-    """The human reference: good but beatable (it often leaves out the duration or the feeling)."""
-    include = set()
-    for slot, keep in (("ask", 0.8), ("duration", 0.45), ("feeling", 0.4)):
-        if rng.random() < keep:
-            include.add(slot)
+    """The human reference: good but beatable (it leaves out each optional fact with the
+    probability 1 - REFERENCE_KEEP[fact])."""
+    include = {slot for slot in OPTIONAL_FACTS if rng.random() < REFERENCE_KEEP[slot]}
     return summarize(rng, facts, include, news)
+
+
+def wrong_value(rng: random.Random, facts: dict, slot: str):
+    """Another value of `slot` than the post's: what a summary that gets this fact wrong states."""
+    if slot == "duration":
+        n, unit = facts["duration"]
+        return (n + rng.choice([1, 2, 3]), unit)
+    values = {"relation": RELATIONS, "problem": set(PROBLEMS) - {"ex"}, "ask": ASKS, "feeling": FEELINGS}[slot]
+    return rng.choice(sorted(set(values) - {facts[slot]}))
+
+
+def minimal_pair(rng: random.Random, facts: dict, news: bool = False) -> list:
+    """Two summaries in the same words but for one fact: [(policy, text, note)] of a summary and its
+    edit, which states one of its facts wrong (`min_wrong`) or leaves an optional one out
+    (`min_omit`). Such pairs isolate what a fact is worth, so a reward model can learn to check a
+    fact against the post and to value stating it, not only the style of whole policies."""
+    include = {slot for slot in OPTIONAL_FACTS if rng.random() < 0.5}
+    stated = ["relation", "problem", *sorted(include)]
+    slot = rng.choice(stated)
+    omit = slot in include and rng.random() < MINIMAL_OMIT_SHARE
+    edited_facts, edited_include = dict(facts), set(include)
+    if omit:
+        edited_include.discard(slot)
+    else:
+        edited_facts[slot] = wrong_value(rng, facts, slot)
+    style = rng.random()
+    text = summarize(random.Random(style), facts, include, news)
+    edited = summarize(random.Random(style), edited_facts, edited_include, news)
+    return [("min_base", text, None), ("min_omit" if omit else "min_wrong", edited, f"{'without' if omit else 'wrong'} {slot}")]
 
 
 def policy_summary(rng: random.Random, policy: str, facts: dict, reference: str, news: bool = False) -> str:
@@ -531,15 +578,7 @@ def policy_summary(rng: random.Random, policy: str, facts: dict, reference: str,
     if policy == "sup_wrong":
         wrong = dict(facts)
         slot = rng.choice(["relation", "problem", "duration", "ask"])
-        if slot == "relation":
-            wrong["relation"] = rng.choice(sorted(set(RELATIONS) - {facts["relation"]}))
-        elif slot == "problem":
-            wrong["problem"] = rng.choice(sorted(set(PROBLEMS) - {facts["problem"]}))
-        elif slot == "duration":
-            n, unit = facts["duration"]
-            wrong["duration"] = (n + rng.choice([1, 2, 3]), unit)
-        else:
-            wrong["ask"] = rng.choice(sorted(set(ASKS) - {facts["ask"]}))
+        wrong[slot] = wrong_value(rng, facts, slot)
         return summarize(rng, wrong, everything, news)
     if policy == "sup_filler":
         extra = " ".join(_filler_sentence(rng).lower() for _ in range(rng.randint(1, 2)))
@@ -568,7 +607,7 @@ def make_article(rng: random.Random, facts: dict) -> tuple:
     possessive = "her" if facts["gender"] == "F" else "his"
     city = rng.choice(NEWS_CITIES)
     problem = rng.choice(PROBLEMS[facts["problem"]][0])
-    feeling = rng.choice(FEELINGS[facts["feeling"]])
+    feeling = facts["feeling_word"]
     ask = rng.choice(ASKS[facts["ask"]][0]).format(obj=_obj(pron)).rstrip("?").lower()
     paragraphs = [
         f"{city} ({rng.choice(NEWS_SITES).upper()}) A {facts['age']} year old {person} says {possessive} {rel} {problem}, according to a local report.",
@@ -626,14 +665,18 @@ def generate_comparisons(rng: random.Random, split: str, count: int, news: bool,
         i += 1
         reference = reference_summary(rng, facts, news)
         for _ in range(rng.choice([1, 2, 2, 3])):
-            pair = []
-            while len(pair) < 2:
-                policy = rng.choices(policies, weights)[0]
-                text_ = policy_summary(rng, policy, facts, reference, news)
-                if not pair or (policy != pair[0][0] and text_ != pair[0][1]):
-                    pair.append((policy, text_))
+            if rng.random() < args.minimal_pair_fraction:
+                pair = minimal_pair(rng, facts, news)
+                rng.shuffle(pair)
+            else:
+                pair = []
+                while len(pair) < 2:
+                    policy = rng.choices(policies, weights)[0]
+                    text_ = policy_summary(rng, policy, facts, reference, news)
+                    if not pair or (policy != pair[0][0] and text_ != pair[0][1]):
+                        pair.append((policy, text_, None))
             # upstream summaries start with a space (DESIGN 5: only EOS is appended later)
-            summaries = [{"text": " " + t, "policy": p, "note": None} for p, t in pair]
+            summaries = [{"text": " " + t, "policy": p, "note": note} for p, t, note in pair]
             score_a, score_b = (gold_score(text, s["text"]) for s in summaries)
             choice, confidence = _label(rng, score_a, score_b, args.label_temperature)
             if news:

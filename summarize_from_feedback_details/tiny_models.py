@@ -10,10 +10,12 @@ stage scripts add as `[PAD]`), the tokenizer ships a dedicated `[PAD]` token, ne
     python -m summarize_from_feedback_details.tiny_models --corpus data/raw/tldr_sft/train.jsonl --output_dir models/tiny
 """
 
+import hashlib
 import json
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -169,11 +171,39 @@ def heldout_loss(model: GPTNeoXForCausalLM, windows: torch.Tensor) -> float:
     return sum(model(input_ids=w, labels=w).loss.item() * len(w) for w in windows.split(16)) / len(windows)
 
 
+def recipe(args: Args) -> dict:
+    """What decides a size's weights and the shared tokenizer: the Args but the output folder, and the
+    corpus by its content (a regenerated corpus trains another tokenizer under the same path)."""
+    with open(args.corpus, "rb") as f:
+        corpus_sha256 = hashlib.sha256(f.read()).hexdigest()
+    return {k: v for k, v in vars(args).items() if k not in ("output_dir", "sizes")} | {"corpus_sha256": corpus_sha256}
+
+
+def built_before(output_dir: str, wanted: dict) -> dict:
+    """The models.json entries of `output_dir` when they were built with the recipe `wanted` (more sizes
+    may join them, sharing their tokenizer); {} otherwise (none yet, or another recipe)."""
+    path = os.path.join(output_dir, "models.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        recorded = json.load(f)
+    return recorded["models"] if recorded.get("recipe") == wanted else {}
+
+
 def build(args: Args) -> dict:
-    """Builds every requested size into `args.output_dir` (atomically); returns a summary."""
+    """Builds every requested size into `args.output_dir`, each size folder atomically, and returns a
+    summary. Sizes built before with the same recipe stay (hello_world.sh builds the size it uses,
+    scaling.sh adds the others); a folder of another recipe is replaced as a whole, since its tokenizer
+    may differ."""
     unknown = sorted(set(args.sizes) - set(SIZES))
     if unknown:
         raise ValueError(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
+    wanted = recipe(args)
+    kept = {name: info for name, info in built_before(args.output_dir, wanted).items()
+            if name not in {f"pythia-tiny-{size}" for size in args.sizes}}
+    if not kept and os.path.exists(args.output_dir):
+        shutil.rmtree(args.output_dir)  # another recipe's models (or none finished): nothing to share with
+    os.makedirs(args.output_dir, exist_ok=True)
     random.seed(args.seed)
     np.random.seed(args.seed)
     texts = corpus_texts(args.corpus)
@@ -186,31 +216,30 @@ def build(args: Args) -> dict:
     heldout = heldout_windows(heldout_path, tokenizer, args.pretrain_seq_len) if os.path.isfile(heldout_path) else None
 
     summary = {}
-    with atomic_output_dir(args.output_dir) as tmp_dir:
-        for size in args.sizes:
-            name = f"pythia-tiny-{size}"
-            torch.manual_seed(args.seed)
-            model = GPTNeoXForCausalLM(model_config(size, vocab_size, tokenizer))
-            parameters = sum(p.numel() for p in model.parameters())
-            steps = pretrain_steps(parameters, args)
-            start = time.time()
-            loss = pretrain(model, token_stream, steps, args, name) if steps > 0 else None
-            folder = os.path.join(tmp_dir, name)
+    for size in args.sizes:
+        name = f"pythia-tiny-{size}"
+        torch.manual_seed(args.seed)
+        model = GPTNeoXForCausalLM(model_config(size, vocab_size, tokenizer))
+        parameters = sum(p.numel() for p in model.parameters())
+        steps = pretrain_steps(parameters, args)
+        start = time.time()
+        loss = pretrain(model, token_stream, steps, args, name) if steps > 0 else None
+        with atomic_output_dir(os.path.join(args.output_dir, name)) as folder:
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
-            summary[name] = {
-                "parameters": parameters,
-                "pretrain_steps": steps,
-                "final_pretrain_loss": None if loss is None else round(loss, 4),
-                "heldout_loss": None if heldout is None else round(heldout_loss(model, heldout), 4),
-                "seconds": round(time.time() - start, 1),
-            }
-        with open(os.path.join(tmp_dir, "models.json"), "w") as f:
-            recipe = {k: v for k, v in vars(args).items() if k != "output_dir"}  # identical files wherever built
-            json.dump({"args": recipe | {"sizes": list(args.sizes)}, "models": {
-                k: {"parameters": v["parameters"], "pretrain_steps": v["pretrain_steps"],
-                    "final_pretrain_loss": v["final_pretrain_loss"], "heldout_loss": v["heldout_loss"]}
-                for k, v in summary.items()}}, f, indent=2, sort_keys=True)
+        summary[name] = {
+            "parameters": parameters,
+            "pretrain_steps": steps,
+            "final_pretrain_loss": None if loss is None else round(loss, 4),
+            "heldout_loss": None if heldout is None else round(heldout_loss(model, heldout), 4),
+            "seconds": round(time.time() - start, 1),
+        }
+    models = kept | {k: {key: v[key] for key in ("parameters", "pretrain_steps", "final_pretrain_loss", "heldout_loss")}
+                     for k, v in summary.items()}
+    path = os.path.join(args.output_dir, "models.json")
+    with open(path + ".partial", "w") as f:  # replaced whole: a crash leaves the old list or the new one
+        json.dump({"recipe": wanted, "models": dict(sorted(models.items()))}, f, indent=2, sort_keys=True)
+    os.replace(path + ".partial", path)
     return summary
 
 

@@ -6,28 +6,45 @@ An outcome is the policy's score on one prompt against the reference: 1 a win, 0
 half everywhere), 0 a loss; unparsed verdicts are left out before they get here.
 - Over prompts, for one run: the Wilson score interval of the rate (closed form; with ties it treats
   the tie-half rate as a proportion over the judged prompts, an approximation that the percentile
-  bootstrap, which resamples the outcomes themselves, does not need) and the percentile bootstrap.
-  Tables and plots of eval/ and hello_world's table print the Wilson interval; the length-controlled
-  rate has no closed form and takes the bootstrap.
+  bootstrap, which resamples the outcomes themselves, does not need; its z follows LEVEL) and the
+  percentile bootstrap. Tables and plots of eval/ and hello_world's table print the Wilson interval
+  of a rate; the length-controlled rate and the mean of a score have no such closed form and take the
+  bootstrap.
 - Over seeds, for a mean: the t-interval, mean +- t(0.975, n - 1) x sample std / sqrt(n).
 - Length-controlled: a logistic fit of the outcome on the length difference (policy minus reference,
   in tokens), read at zero difference: the win rate of a summary as long as the reference (the paper
   repo's rlhf_log_length analysis; AlpacaEval's length control, reduced to the one covariate).
+- Paired against a baseline (the embedded default's headline: a policy against the SFT it started
+  from): both policies answered the same validation prompts, so the judge's score is compared prompt
+  by prompt. The mean per-prompt difference, with its percentile bootstrap interval over prompts,
+  removes the spread between prompts (an easy post helps both policies) that two unpaired means keep;
+  beside it the head-to-head rate (policy's score above the baseline's: 1, equal: 0.5, below: 0) with
+  its Wilson interval. The scores are passed in (on the synthetic task its exact gold judge's), and
+  a table is anything whose ["query"] and ["postprocessed_response"] iterate (a pandas frame, a dict
+  of lists), so nothing here depends on the project's judge or on pandas.
 """
 
 import math
-from typing import Callable, Optional, Sequence
+import statistics
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 LEVEL = 0.95
 
 
-def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple:
-    """95% Wilson score interval of a rate p over n prompts: unlike p +- standard error it does not
-    shrink to nothing at p = 0 or 1, so a bin of 2 prompts looks as uncertain as it is."""
+def normal_quantile(level: float = LEVEL) -> float:
+    """z of a two-sided interval at `level`: the (1 + level) / 2 quantile of the standard normal
+    (1.95996 at 0.95), so the Wilson interval follows LEVEL as the bootstrap does."""
+    return statistics.NormalDist().inv_cdf((1 + level) / 2)
+
+
+def wilson_interval(p: float, n: int, level: float = LEVEL) -> tuple:
+    """Wilson score interval (95% by default) of a rate p over n prompts: unlike p +- standard error it
+    does not shrink to nothing at p = 0 or 1, so a bin of 2 prompts looks as uncertain as it is."""
     if n <= 0 or not np.isfinite(p):
         return float("nan"), float("nan")
+    z = normal_quantile(level)
     center = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return min(p, center - half), max(p, center + half)  # float noise must not put p outside
@@ -123,3 +140,65 @@ def length_controlled_interval(outcomes: Sequence, length_difference: Sequence, 
 def outcome_of(verdict: str) -> Optional[float]:
     """1 / 0.5 / 0 for a policy win, tie, reference win; None for an unparsed verdict."""
     return {"policy": 1.0, "tie": 0.5, "reference": 0.0}.get(verdict)
+
+
+def shorten(text: str, width: int = 60) -> str:
+    """The start of a (long) query, for messages."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def scores_by_query(queries: Sequence, scores: Sequence, name: str = "table") -> dict:
+    """{query: score} from a table's query column and the judge's score of each row's response. A
+    query that appears twice is refused: paired by query, its two responses would have no partner."""
+    by_query = {}
+    for query, score in zip(queries, scores, strict=True):
+        if query in by_query:
+            raise ValueError(f"{name}: the query {shorten(query)!r} appears more than once; a paired comparison "
+                             f"needs each prompt once")
+        by_query[query] = float(score)
+    return by_query
+
+
+def paired_comparison(policy: Mapping, baseline: Mapping, resamples: int = 2000, seed: int = 0,
+                      level: float = LEVEL) -> dict:
+    """A policy against a baseline on the same prompts, from {query: score} of each (scores_by_query):
+    - difference: the mean over prompts of score(policy) - score(baseline), with its percentile
+      bootstrap interval over prompts (difference_ci);
+    - head_to_head: the rate at which the policy's score beats the baseline's on a prompt, ties half
+      (on the gold judge exactly gold_preference(query, policy, baseline)), with its Wilson interval;
+    - prompts, and each side's mean score (policy_mean, baseline_mean).
+    Refused (ValueError) unless both hold the same prompts: a prompt only one side answered would turn
+    the paired difference into a difference of two samples. The prompts are taken in sorted order, so
+    the bootstrap interval does not depend on the order of the tables' rows."""
+    only_policy, only_baseline = set(policy) - set(baseline), set(baseline) - set(policy)
+    if only_policy or only_baseline:
+        example = next(iter(sorted(only_policy or only_baseline)))
+        raise ValueError(f"the two tables do not hold the same prompts: {len(only_policy)} only in the policy's, "
+                         f"{len(only_baseline)} only in the baseline's (e.g. {shorten(example)!r}); pair tables "
+                         f"of the same validation prompts")
+    if not policy:
+        raise ValueError("the two tables hold no prompt to compare")
+    queries = sorted(policy)
+    a = np.array([policy[q] for q in queries], dtype=float)
+    b = np.array([baseline[q] for q in queries], dtype=float)
+    difference = a - b
+    outcomes = np.where(a > b, 1.0, np.where(a < b, 0.0, 0.5))
+    head_to_head = float(outcomes.mean())
+    return {"prompts": len(queries), "policy_mean": float(a.mean()), "baseline_mean": float(b.mean()),
+            "difference": float(difference.mean()),
+            "difference_ci": bootstrap_interval(difference, resamples=resamples, seed=seed, level=level),
+            "head_to_head": head_to_head, "head_to_head_ci": wilson_interval(head_to_head, len(queries), level)}
+
+
+def paired_tables(policy_table, baseline_table, score: Callable[[str, str], float], **kwargs) -> dict:
+    """paired_comparison of two validation tables (columns query and postprocessed_response: a pandas
+    frame or a dict of lists), each response scored by `score(query, response)`: on the synthetic task
+    its gold_score (hello_world_report and eval/ score each table once and pair the scores instead)."""
+    def by_query(table, name):
+        queries = list(table["query"])
+        return scores_by_query(queries, [score(q, r) for q, r in zip(queries, table["postprocessed_response"],
+                                                                     strict=True)], name)
+
+    return paired_comparison(by_query(policy_table, "the policy's table"),
+                             by_query(baseline_table, "the baseline's table"), **kwargs)

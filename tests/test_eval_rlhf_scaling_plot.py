@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -96,6 +97,10 @@ def check_outputs(out):
     assert runs.loc[("SFT", PYTHIA_1B, 2), "mean_length"] == pytest.approx((10 + 10 + 10 + 3) / 4)  # EOS, pads cut
     assert runs.loc[("PPO", PYTHIA_1B, 1), "win_rate"] == pytest.approx(0.625)
     assert runs.loc[("PPO", PYTHIA_2B8, 1), "win_rate"] == pytest.approx(1.0)
+    # the mean gold score of each run; every table asks POST four times, so no pairing per prompt
+    assert sft1["gold"] == pytest.approx((3 * gold_score(POST, MID) + gold_score(POST, POOR)) / 4)
+    assert runs.loc[("PPO", PYTHIA_2B8, 1), "gold"] == pytest.approx(gold_score(POST, GOOD))
+    assert runs[list(rlhf.PAIRED_COLUMNS)].isna().all().all()
 
     summary = read(out, "rlhf_scale_plot").set_index(["policy", "base_model"])
     assert list(summary.index) == [("SFT", PYTHIA_1B), ("PPO", PYTHIA_1B), ("PPO", PYTHIA_2B8)]  # plot order
@@ -120,9 +125,11 @@ def check_outputs(out):
     assert bins.loc[("SFT", 1), "win_rate"] == pytest.approx(3.5 / 6)
     assert bins.loc[("PPO", 1), ["rows", "wins", "ties", "losses"]].tolist() == [11, 9, 1, 1]
     assert bins.loc[("PPO", 1), "win_rate"] == pytest.approx(9.5 / 11)
-    # 95% Wilson interval of 0 wins in 2 rows: [0, z^2/2 / (1 + z^2/2)]
+    # 95% Wilson interval of 0 wins in 2 rows: [0, z^2/2 / (1 + z^2/2)], z = 1.95996 (the 0.975 normal quantile)
+    z = win_rates.normal_quantile(0.95)
     assert bins.loc[("SFT", 0), "ci_low"] == pytest.approx(0.0, abs=1e-12)
-    assert bins.loc[("SFT", 0), "ci_high"] == pytest.approx(1.96 ** 2 / 2 / (1 + 1.96 ** 2 / 2))
+    assert bins.loc[("SFT", 0), "ci_high"] == pytest.approx(z ** 2 / 2 / (1 + z ** 2 / 2))
+    assert bins.loc[("SFT", 0), "ci_high"] == pytest.approx(1.96 ** 2 / 2 / (1 + 1.96 ** 2 / 2), abs=2e-5)
 
     judged = pd.read_csv(os.path.join(out, "judged", "sft__1__128.csv"), keep_default_na=False)
     assert judged["verdict"].tolist() == ["reference", "policy", "reference", "tie"]
@@ -326,3 +333,61 @@ def test_wandb_tables(tmp_path, monkeypatch):
     assert list(summary.index.get_level_values("policy")) == ["SFT", "PPO", "PPO", "DPO", "DPO"]
     assert choice(out, "sft", PYTHIA_1B, 1) == [("sft_debug", "set aside", "newer, but no validation_table table"),
                                                 ("sft_28_1", "used", "newest with what the plots need")]
+
+
+def words(query, summary):
+    """A stand-in gold judge whose numbers can be worked out by hand: the summary's word count."""
+    return float(len(summary.split()))
+
+
+def test_gold_paired_with_the_sft_of_the_same_seed(tmp_path, monkeypatch, capsys):
+    """Each run's mean gold score, and against the SFT run of its (base_model, seed) the paired mean
+    gold difference (bootstrap over prompts) and the head-to-head rate (Wilson), joined on the query."""
+    monkeypatch.setattr(rlhf, "gold_score", words)
+    queries = [POST.replace("help", f"help {i}") for i in range(4)]
+
+    def rows(*responses):  # one response per query, word counts as given; the reference: MID
+        return [(" ".join(["a"] * n), MID) for n in responses]
+
+    tables = {("sft", PYTHIA_1B, 1): rows(2, 3, 4, 1), ("ppo_left_padding", PYTHIA_1B, 1): rows(4, 3, 5, 2),
+              ("ppo_left_padding", PYTHIA_1B, 2): rows(1, 1, 1, 1),  # no SFT of seed 2: nothing to pair with
+              ("dpo", PYTHIA_1B, 1): rows(1, 1, 4, 1)}
+    runs_dir, out = tmp_path / "runs", str(tmp_path / "out")
+    tokenizer = word_tokenizer(tmp_path / "tokenizer")
+    for (exp_name, base_model, seed), table in tables.items():
+        folder = runs_dir / f"{exp_name}__{seed}__1"
+        os.makedirs(folder)
+        (folder / "args.json").write_text(json.dumps({"exp_name": exp_name, "base_model": base_model, "seed": seed,
+                                                      "output_dir": tokenizer}))
+        frame = table_frame(table).assign(query=queries)
+        if exp_name == "dpo":
+            frame = frame.iloc[[2, 0, 3, 1]]  # other row order: paired by query, not by row
+        frame.to_csv(folder / "validation_table.csv", index=False)
+    # a PPO run of seed 3 that answered only 3 of the prompts, and its SFT: refused, warned, NaN
+    for exp_name in ("sft", "ppo_left_padding"):
+        folder = runs_dir / f"{exp_name}__3__1"
+        os.makedirs(folder)
+        (folder / "args.json").write_text(json.dumps({"exp_name": exp_name, "base_model": PYTHIA_1B, "seed": 3,
+                                                      "output_dir": tokenizer}))
+        frame = table_frame(rows(1, 2, 3, 4)).assign(query=queries)
+        (frame if exp_name == "sft" else frame.iloc[:3]).to_csv(folder / "validation_table.csv", index=False)
+    rlhf.main(rlhf.Args(runs_dir=str(runs_dir), out=out, length_bins=2))
+    assert "ppo_left_padding__3__1 not paired with sft__3__1: the two tables do not hold the same prompts: 0 only " \
+        "in the policy's, 1 only in the baseline's" in " ".join(capsys.readouterr().err.split())
+
+    runs = read(out, "rlhf_scale_plot_runs").set_index(["policy", "seed"])
+    assert runs["gold"].to_dict() == {("SFT", 1): 2.5, ("SFT", 3): 2.5, ("PPO", 1): 3.5, ("PPO", 2): 1.0,
+                                      ("PPO", 3): 2.0, ("DPO", 1): 1.75}
+    # PPO seed 1 - SFT seed 1 per prompt: +2 0 +1 +1 -> +1.0, W T W W -> 0.875
+    ppo = runs.loc[("PPO", 1)]
+    assert ppo["gold_minus_sft"] == 1.0 and ppo["head_to_head_sft"] == 0.875
+    assert (ppo["gold_minus_sft_ci_low"], ppo["gold_minus_sft_ci_high"]) == pytest.approx(
+        win_rates.bootstrap_interval(np.array([2.0, 0.0, 1.0, 1.0])))
+    assert (ppo["head_to_head_sft_ci_low"], ppo["head_to_head_sft_ci_high"]) == pytest.approx(
+        win_rates.wilson_interval(0.875, 4))
+    # DPO: -1 -2 0 0 -> -0.75, L L T T -> 0.25, whatever the order of its rows
+    assert runs.loc[("DPO", 1), ["gold_minus_sft", "head_to_head_sft"]].tolist() == [-0.75, 0.25]
+    assert (runs.loc[("DPO", 1), "gold_minus_sft_ci_low"], runs.loc[("DPO", 1), "gold_minus_sft_ci_high"]) == \
+        pytest.approx(win_rates.bootstrap_interval(np.array([-1.0, -2.0, 0.0, 0.0])))
+    for key in (("SFT", 1), ("PPO", 2), ("PPO", 3)):
+        assert runs.loc[key, list(rlhf.PAIRED_COLUMNS)].isna().all()

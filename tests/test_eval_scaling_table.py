@@ -35,6 +35,9 @@ def plots_dir(tmp_path):
     ppo = {s: [0.0, 0.0, 0.0], m: [0.3, 0.1, 0.2], l: [0.4, 0.3, 0.2]}
     write_table(pd.concat([summary(sft, policy="SFT"), summary(ppo, policy="PPO")]), tmp_path, "rlhf_scale_plot")
     runs = pd.concat([per_seed(sft, policy="SFT"), per_seed(ppo, policy="PPO")]).rename(columns={"value": "win_rate"})
+    # PPO's paired gold difference to its seed's SFT (rlhf_scaling_plot's gold_minus_sft; NaN for SFT)
+    gold_gain = {s: [-0.1, 0.0, 0.1], m: [0.2, 0.3, 0.4], l: [0.5, 0.6, 0.4]}
+    runs["gold_minus_sft"] = [np.nan] * 9 + [v for vs in gold_gain.values() for v in vs]
     write_table(runs, tmp_path, "rlhf_scale_plot_runs")
     return tmp_path
 
@@ -55,6 +58,13 @@ def test_results_table_known_answers(plots_dir):
     assert gain["659K (pythia-tiny-m)"] == "0.050 [-0.074, 0.174] (0.100, 0.000, 0.050)"
     assert gain["1.73M (pythia-tiny-l)"].startswith("0.050 [-0.279, 0.379] (0.150, 0.100, -0.100)")
     assert gain["check"] == "PPO ahead at pythia-tiny-m, pythia-tiny-l"
+    # the paired gold row: the mean of the per-seed differences, PPO ahead at m and l, growing with size
+    gold = table.loc["PPO minus SFT, mean gold (paired per prompt, same seed)"]
+    assert gold["659K (pythia-tiny-m)"] == "0.300 [0.052, 0.548] (0.200, 0.300, 0.400)"
+    assert gold["231K (pythia-tiny-s)"].startswith("0.000 [")
+    assert gold["check"] == "PPO ahead at pythia-tiny-m, pythia-tiny-l; the gain grows with size"
+    assert list(table.index[-2:]) == ["PPO minus SFT, mean gold (paired per prompt, same seed)",
+                                      "PPO minus SFT win rate (same seed)"]
     assert (plots_dir / "scaling_table.md").read_text().startswith("| metric |")
 
 

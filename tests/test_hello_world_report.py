@@ -1,6 +1,7 @@
 import json
 import os
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -68,6 +69,8 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     rm_dir = str(models / "reward_model")
     reward.reward_model_to_train(tokenizer_dir, run_infra.load_tokenizer(tokenizer_dir), head_seed=1).save_pretrained(rm_dir)
     tokenizer.save_pretrained(rm_dir)
+    from summarize_from_feedback_details.synthetic_tldr import gold_score
+
     good, poor = GOOD.replace("<|endoftext|>", ""), POOR.replace("<|endoftext|>", "")
     runs = tmp_path / "runs"
     # SFT: one win (good vs poor reference) and one loss; PPO: two wins
@@ -99,6 +102,11 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     assert rows["PPO KL to the SFT policy (nats per response, last 5 updates)"] == "3.00"
     assert rows["GRPO k=4 gold-judge win rate vs reference (2 prompts)"] == "0.500 [0.095, 0.905]"
     assert rows["GRPO k=4 KL to the SFT policy (nats per response, last 5 updates)"] == "1.00"
+    # every table asks POST twice: no pairing by query, said on the headline row; the other rows stay
+    assert rows["PPO minus SFT, mean gold (paired)"].startswith(
+        "not paired: PPO's validation table: the query 'SUBREDDIT: r/roommates TITLE: help POST: I (25F) have liv...' "
+        "appears more than once")
+    assert rows["PPO mean gold score"].startswith(f"{gold_score(POST, good):.3f} [")
     assert not any(what.startswith(("RLOO", "online DPO", "DPO KL")) for what in rows)  # no runs, no rows
     lengths = [len(tokenizer(r)["input_ids"]) for r in (good, poor)]
     assert rows["SFT mean response length (tokens)"] == f"{sum(lengths) / 2:.1f}"
@@ -114,3 +122,119 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     # real data: no gold judge, the other rows stay
     real = dict(report.collect(report.Args(runs_dir=str(runs), models_dir=str(models), gold_judge=False)))
     assert not any("gold" in what for what in real) and real["PPO mean reward-model score"] == f"{alone:.3f}"
+
+
+# ---------------------------------------------------------------- the headline: paired against SFT
+
+def words(query, summary):
+    """A stand-in gold judge whose numbers can be worked out by hand: the summary's word count."""
+    return float(len(summary.split()))
+
+
+def validation_table(responses: dict) -> pd.DataFrame:
+    """{query: response} -> a validation table; every reference has 3 words."""
+    return pd.DataFrame({"query": list(responses), "postprocessed_response": list(responses.values()),
+                         "reference_responses": ["r r r"] * len(responses)})
+
+
+# word counts per prompt: SFT 2 3 4 1, PPO 4 3 5 2 (+2 0 +1 +1), DPO 1 1 4 1 (-1 -2 0 0)
+SFT_TABLE = validation_table({"q1": "a a", "q2": "a a a", "q3": "a a a a", "q4": "a"})
+PPO_TABLE = validation_table({"q3": "a a a a a", "q1": "a a a a", "q4": "a a", "q2": "a a a"})  # rows in another order
+DPO_TABLE = validation_table({"q1": "a", "q2": "a", "q3": "a a a a", "q4": "a"})
+
+
+def headline_runs(runs):
+    write_run(runs / "hello_world_sft", [{"validation/sft/rouge/rougeL": 0.5}], {"validation_table.csv": SFT_TABLE})
+    write_run(runs / "hello_world_ppo", [{"objective/kl": k} for k in (1.0, 2.0)], {"validation_table.csv": PPO_TABLE})
+    write_run(runs / "hello_world_dpo", [{"train/rm/loss": 0.6}], {"validation_table.csv": DPO_TABLE})
+    # the control answered other prompts (q4 missing): no paired number, its own numbers stay
+    write_run(runs / "hello_world_ppo_control", [{"objective/kl": 0.5}], {"validation_table.csv": SFT_TABLE.iloc[:3]})
+
+
+def test_paired_gold_rows_known_answers(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "gold_score", words)
+    runs = tmp_path / "runs"
+    headline_runs(runs)
+    args = report.Args(runs_dir=str(runs), models_dir=str(tmp_path / "no_models"), plots_dir=str(tmp_path / "plots"))
+    rows = report.collect(args)
+    table = dict(rows)
+    ci = report.win_rates.bootstrap_interval
+    wilson = report.win_rates.wilson_interval
+    # PPO - SFT per prompt, joined on the query: q1 +2, q2 0, q3 +1, q4 +1 -> +1.000; W T W W -> 0.875
+    low, high = ci(np.array([2.0, 0.0, 1.0, 1.0]))
+    assert 0.0 <= low < 1.0 < high <= 2.0
+    assert table["PPO minus SFT, mean gold (paired, 4 prompts)"] == f"+1.000 [{low:.3f}, {high:.3f}]"
+    assert table["PPO head-to-head vs SFT"] == "0.875 [{:.3f}, {:.3f}]".format(*wilson(0.875, 4))
+    assert table["PPO mean gold score"] == "3.500 [{:.3f}, {:.3f}]".format(*ci(np.array([5.0, 4.0, 2.0, 3.0])))
+    # DPO: -1 -2 0 0 -> -0.750; L L T T -> 0.250
+    low, high = ci(np.array([-1.0, -2.0, 0.0, 0.0]))
+    assert table["DPO minus SFT, mean gold (paired, 4 prompts)"] == f"-0.750 [{low:.3f}, {high:.3f}]"
+    assert table["DPO head-to-head vs SFT"] == "0.250 [{:.3f}, {:.3f}]".format(*wilson(0.25, 4))
+    # SFT: no row against itself; its mean gold 2.5 and its win rate vs the 3-word references L T W L
+    assert not any(what.startswith("SFT minus") or what.startswith("SFT head") for what in table)
+    assert table["SFT mean gold score"].startswith("2.500 [")
+    assert table["SFT gold-judge win rate vs reference (4 prompts)"] == "0.375 [{:.3f}, {:.3f}]".format(*wilson(0.375, 4))
+    assert table["control minus SFT, mean gold (paired)"].startswith(
+        "not paired: the two tables do not hold the same prompts: 0 only in the policy's, 1 only in the baseline's")
+    assert table["control gold-judge win rate vs reference (3 prompts)"].startswith("0.500 [")
+    assert table["control KL to the SFT policy (nats per response, last 5 updates)"] == "0.50"
+    # the headline leads each policy's rows
+    whats = [what for what, _ in rows]
+    assert whats[whats.index("SFT ROUGE-L (validation)") + 1] == "SFT mean gold score"
+    ppo = [what for what in whats if what.startswith("PPO ")]
+    assert ppo == ["PPO minus SFT, mean gold (paired, 4 prompts)", "PPO head-to-head vs SFT", "PPO mean gold score",
+                   "PPO gold-judge win rate vs reference (4 prompts)",
+                   "PPO KL to the SFT policy (nats per response, last 5 updates)"]
+
+    # the same numbers as JSON beside the plots
+    report.main(args)
+    with open(tmp_path / "plots" / "hello_world_report.json") as f:
+        saved = json.load(f)
+    assert saved["sft_rouge_l"] == 0.5 and saved["gold_judge"] is True
+    assert list(saved["policies"]) == ["SFT", "PPO", "DPO", "control"]
+    ppo = saved["policies"]["PPO"]
+    assert list(ppo) == ["prompts", "gold_minus_sft", "head_to_head_vs_sft", "gold_score", "win_rate", "kl"]
+    low, high = ci(np.array([2.0, 0.0, 1.0, 1.0]))
+    assert ppo["gold_minus_sft"] == {"value": 1.0, "low": low, "high": high, "prompts": 4}
+    assert ppo["head_to_head_vs_sft"] == pytest.approx({"value": 0.875, "low": wilson(0.875, 4)[0],
+                                                        "high": wilson(0.875, 4)[1]})
+    # PPO vs the 3-word references: 5 4 2 3 words, W W L T -> 0.625
+    assert ppo["gold_score"]["value"] == 3.5 and ppo["win_rate"]["value"] == 0.625 and ppo["kl"] == 1.5
+    assert ppo["prompts"] == 4
+    assert saved["policies"]["DPO"]["gold_minus_sft"]["value"] == -0.75
+    assert saved["policies"]["control"]["not_paired"].startswith("the two tables do not hold the same prompts")
+    assert "gold_minus_sft" not in saved["policies"]["SFT"] and saved["policies"]["SFT"]["gold_score"]["value"] == 2.5
+
+    # real data: no gold judge, no gold numbers, in the table or the JSON
+    real = report.Args(runs_dir=str(runs), models_dir=args.models_dir, plots_dir=str(tmp_path / "real"), gold_judge=False)
+    assert not any("gold" in what or "SFT" in what and "minus" in what for what, _ in report.collect(real))
+    report.main(real)
+    with open(tmp_path / "real" / "hello_world_report.json") as f:
+        saved = json.load(f)
+    assert saved["gold_judge"] is False
+    assert saved["policies"] == {"SFT": {"prompts": 4}, "PPO": {"prompts": 4, "kl": 1.5}, "DPO": {"prompts": 4},
+                                 "control": {"prompts": 3, "kl": 0.5}}
+
+
+def test_paired_gold_with_the_gold_judge_only_some_runs(tmp_path):
+    """The real gold judge on two posts; only SFT and PPO have run. The head-to-head is gold_preference's."""
+    from summarize_from_feedback_details.synthetic_tldr import gold_preference, gold_score
+
+    other = POST.replace("3 years", "5 years")
+    good, poor = GOOD.replace("<|endoftext|>", ""), POOR.replace("<|endoftext|>", "")
+    sft = {POST: poor, other: good.replace("3 years", "5 years")}
+    ppo = {POST: good, other: poor}
+    runs = tmp_path / "runs"
+    write_run(runs / "hello_world_sft", [{"validation/sft/rouge/rougeL": 0.5}], {"validation_table.csv": pd.DataFrame(
+        {"query": list(sft), "postprocessed_response": list(sft.values()), "reference_responses": [good, good]})})
+    write_run(runs / "hello_world_ppo", [{"objective/kl": 2.0}], {"validation_table.csv": pd.DataFrame(
+        {"query": list(ppo), "postprocessed_response": list(ppo.values()), "reference_responses": [good, good]})})
+    rows = dict(report.collect(report.Args(runs_dir=str(runs), models_dir=str(tmp_path / "no"), plots_dir=str(tmp_path))))
+    differences = [gold_score(q, ppo[q]) - gold_score(q, sft[q]) for q in sorted(sft)]
+    assert differences[sorted(sft).index(POST)] > 0 > differences[sorted(sft).index(other)]
+    low, high = report.win_rates.bootstrap_interval(np.array(differences))
+    assert rows["PPO minus SFT, mean gold (paired, 2 prompts)"] == \
+        f"{np.mean(differences):+.3f} [{low:.3f}, {high:.3f}]"
+    h2h = np.mean([gold_preference(q, ppo[q], sft[q]) for q in sft])
+    assert h2h == 0.5 and rows["PPO head-to-head vs SFT"].startswith("0.500 [")
+    assert not any(what.startswith(("DPO", "RLOO", "GRPO", "online DPO", "control")) for what in rows)

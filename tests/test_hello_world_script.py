@@ -28,6 +28,8 @@ if "--output_dir" in sys.argv:
     out = sys.argv[sys.argv.index("--output_dir") + 1]
     os.makedirs(out, exist_ok=True)
     open(os.path.join(out, "model.safetensors"), "w").close()
+    if "--sizes" in sys.argv:  # tiny_models: a folder per size
+        os.makedirs(os.path.join(out, "pythia-tiny-" + sys.argv[sys.argv.index("--sizes") + 1]), exist_ok=True)
 """
 
 
@@ -163,6 +165,11 @@ def test_finished_stages_are_skipped_and_force_reruns(checkout):
     (dpo_call,) = stage_calls(first, "dpo.py")  # DPO from the policy's SFT, like PPO
     assert flag(dpo_call, "--sft_model_path") == "models/hello_world/sft"
     assert len(stage_calls(first, "sft.py")) == 2
+    # the base model of the size it uses, nothing more (scaling.sh adds the others)
+    (base,) = [c for c in first if "summarize_from_feedback_details.tiny_models" in c]
+    assert flag(base, "--sizes") == "m" and flag(base, "--output_dir") == "models/tiny"
+    # DPO takes one pass over 6000 of the preference pairs, whatever their number
+    assert flag(dpo_call, "--total_episodes") == "6000"
     # plots of this run's folders only, with the gold judge
     for script in ("eval/sft_rm_scale.py", "eval/rlhf_scaling_plot.py"):
         (call,) = stage_calls(first, script)
@@ -182,8 +189,12 @@ def test_data_only(checkout):
     assert result.returncode == 0, result.stderr
     assert calls[1] == ["python", "-m", "summarize_from_feedback_details.check_gpu"]  # after make install
     assert [c[2] if c[1] == "-m" else c[1] for c in calls[2:]] == [
-        "summarize_from_feedback_details.synthetic_tldr", "summarize_from_feedback_details.tiny_models",
+        "summarize_from_feedback_details.synthetic_tldr", *["summarize_from_feedback_details.tiny_models"] * 3,
         "summarize_from_feedback_details/tldr_dataset.py"]
+    # every size, one at a time (the sweeps and the sbatch chain read them); none twice
+    assert [flag(c, "--sizes") for c in calls[3:6]] == ["s", "m", "l"]
+    result, calls = run(checkout, 0, "--data")
+    assert result.returncode == 0 and not [c for c in calls if "summarize_from_feedback_details.tiny_models" in c]
     result, _ = run(checkout, 8, "--data", MODEL="EleutherAI/pythia-1b-deduped")
     assert result.returncode == 2 and "leave MODEL unset" in result.stderr
 
@@ -225,7 +236,7 @@ def test_algos_chooses_the_methods_after_the_reward_model(checkout):
     assert len(stage_calls(calls, "eval/rlhf_scaling_plot.py")) == 1
     result, calls = run(checkout, 0, "--force", ALGOS="all", RLOO_FLAGS="--kl_coef 0.1", ONLINE_DPO_FLAGS="--beta 0.2")
     assert result.returncode == 0, result.stderr
-    assert len(calls_of(calls, "ppo_left_padding.py")) == len(calls_of(calls, "dpo.py")) == 1
+    assert len(calls_of(calls, "dpo.py")) == 1 and len(calls_of(calls, "ppo_left_padding.py")) == 2  # the control's too
     rloo, rloo_k4, grpo = calls_of(calls, "rloo.py")
     (online,) = calls_of(calls, "online_dpo.py")
     for call, name, k in ((rloo, "rloo", 2), (rloo_k4, "rloo_k4", 4), (grpo, "grpo", 4), (online, "online_dpo", 2)):
@@ -241,6 +252,16 @@ def test_algos_chooses_the_methods_after_the_reward_model(checkout):
     assert flag(grpo, "--algorithm") == "grpo" and flag(grpo, "--exp_name") == "grpo"
     assert flag(rloo_k4, "--exp_name") == "rloo_k4"
     assert all(c[-2:] == ["--kl_coef", "0.1"] for c in (rloo, rloo_k4, grpo)) and online[-2:] == ["--beta", "0.2"]
+    # the control: a reward model that is never trained (its seeded random head, normalised) and PPO
+    # against it with PPO's flags, in folders of their own
+    rm, control_rm = calls_of(calls, "reward.py")
+    assert flag(control_rm, "--total_episodes") == "0" and flag(control_rm, "--exp_name") == "reward_control"
+    shared = rm[:rm.index("--output_dir")]
+    assert control_rm[:len(shared)] == shared
+    ppo, control = calls_of(calls, "ppo_left_padding.py")
+    assert flag(control, "--reward_model_path") == "models/hello_world/reward_model_control"
+    assert (flag(control, "--exp_name"), flag(control, "--output_dir")) == ("ppo_control", "models/hello_world/ppo_control")
+    assert control[:control.index("--reward_model_path")] == ppo[:ppo.index("--reward_model_path")]
     result, calls = run(checkout, 8, MODEL="EleutherAI/pythia-1b-deduped", ALGOS="rloo_k4 online_dpo")
     assert result.returncode == 0, result.stderr
     assert not calls_of(calls, "ppo_left_padding.py") and not calls_of(calls, "dpo.py")

@@ -672,3 +672,20 @@ def test_lora_trains_adapters_and_head_and_saves_a_normalised_merged_model(tiny_
     with torch.no_grad():
         shifted = reward.get_reward(wrapped, ids, PAD) + m1["eval/rm/normalization_offset"]
         assert torch.allclose(reward.get_reward(merged, ids, PAD), shifted, atol=1e-5)
+
+
+def test_zero_episodes_saves_the_untrained_head_normalised(tiny_datasets, models_dir, tmp_path):
+    """--total_episodes 0 (make compare's control): no update, the backbone under its seeded random head
+    (reward_model_to_train's), normalised as every reward model is: mean 0 over the SFT references."""
+    data_dir, _ = tiny_datasets
+    metrics = run_reward(tiny_datasets, models_dir, str(tmp_path), "control", total_episodes=0)
+    assert not any(key.startswith("train/") for key in metrics) and abs(metrics["eval/rm/reference_mean_after_normalization"]) < 1e-6
+    saved = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "control")).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "control"))
+    untrained = reward.reward_model_to_train(sft_model(models_dir), tokenizer, head_seed=3)
+    assert torch.equal(saved.score.weight, untrained.score.weight)
+    references = load_from_disk(os.path.join(data_dir, "sft"))["train"]
+    ids = torch.tensor(references["query_reference_response_token"])
+    with torch.no_grad():
+        scores = saved(input_ids=ids, attention_mask=ids != PAD).logits[:, 0]
+    assert abs(scores.mean().item()) < 1e-4 and scores.std().item() > 1e-3

@@ -47,7 +47,8 @@ def test_files_follow_the_upstream_schemas(raw_dir):
         for summary in row["summaries"]:
             assert set(summary) == {"text", "policy", "note"}
             assert summary["text"].startswith(" ")  # like upstream: summaries start with a space
-        assert summary["note"] is None
+            # a minimal pair's edited summary says what was changed (upstream notes are free text)
+            assert summary["note"] is None or summary["policy"] in ("min_wrong", "min_omit")
         assert row["choice"] in (0, 1)
         assert 1 <= row["extra"]["confidence"] <= 9
     assert {r["split"] for r in train} == {"train"}
@@ -188,8 +189,10 @@ def test_a_longer_summary_is_not_automatically_preferred(raw_dir):
         padded = reference + " " + st._filler_sentence(rng).lower()
         assert len(padded) > len(reference)
         assert st.gold_score(post, padded) < st.gold_score(post, reference)
+        # the verbose policy's summary is a full one with restated and filler words: they cost
         verbose = " " + st.policy_summary(rng, "sup_verbose", facts, reference)
-        assert st.gold_score(post, verbose) < st.gold_score(post, reference)
+        full = " " + st.summarize(rng, facts, set(st.OPTIONAL_FACTS))
+        assert st.gold_score(post, verbose) < st.gold_score(post, full)
     # over the labelled pairs, the longer summary wins less than half the time
     with open(os.path.join(raw_dir, "label_stats.json")) as f:
         stats = json.load(f)
@@ -261,3 +264,50 @@ def test_atomic_output_dir_keeps_the_old_folder_on_failure(tmp_path):
     with st.atomic_output_dir(str(target)) as tmp:
         (tmp_path / os.path.basename(tmp) / "new.txt").write_text("new")
     assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(target) == ["new.txt"]
+
+
+def test_minimal_pairs_differ_in_one_fact():
+    """A minimal pair is one summary and the same words with one fact wrong or left out: the gold judge
+    sees that fact change and nothing else, and prefers the summary as it was."""
+    kinds = set()
+    for seed in range(300):
+        rng, facts, post = _example(seed)
+        (policy, text, note), (edited_policy, edited, edited_note) = st.minimal_pair(rng, facts)
+        kind, slot = edited_note.split()
+        kinds.add((edited_policy, kind, slot))
+        assert policy == "min_base" and note is None
+        assert edited_policy == {"wrong": "min_wrong", "without": "min_omit"}[kind]
+        said, edited_said = st.extract_facts(text), st.extract_facts(edited)
+        assert {s for s in st.SCORE_WEIGHTS if said[s] != edited_said[s]} == {slot}
+        assert all(set(values) <= set(st.extract_facts(post)[s]) for s, values in said.items() if s in st.SCORE_WEIGHTS)
+        if kind == "without":
+            assert not edited_said[slot] and slot in st.OPTIONAL_FACTS
+        assert st.gold_score(post, " " + edited) < st.gold_score(post, " " + text)
+    # every fact is edited both ways (the required ones only made wrong)
+    assert {(kind, slot) for _, kind, slot in kinds} == {("wrong", s) for s in st.SCORE_WEIGHTS} | {
+        ("without", s) for s in st.OPTIONAL_FACTS}
+
+
+def test_summary_wording_does_not_depend_on_the_facts_stated():
+    """summarize draws its wording whatever it states: from one rng state, a summary without the ask is
+    the one with it cut before the ask, and one without the feeling keeps the same clause and ask."""
+    for seed in range(20):
+        _, facts, _ = _example(seed)
+        full = st.summarize(random.Random(seed), facts, set(st.OPTIONAL_FACTS))
+        no_ask = st.summarize(random.Random(seed), facts, {"duration", "feeling"})
+        no_feeling = st.summarize(random.Random(seed), facts, {"duration", "ask"})
+        assert full.startswith(no_ask) and len(full) > len(no_ask)
+        clause, ask = no_feeling.split(". ", 1)
+        assert full.startswith(clause) and full.endswith(". " + ask) and len(full) > len(no_feeling)
+
+
+def test_default_task_is_honest(tmp_path):
+    """The bounds issue 33 sets on the default generator (label_stats.json): noisy labels (the gold judge
+    agrees with at most 0.90 of them), length alone no predictor (the longer summary chosen at most
+    0.55 of the time), a reference that is good but beatable."""
+    stats = st.generate(st.Args(output_dir=str(tmp_path / "raw"), num_sft_train=10, num_sft_validation=400,
+                                num_sft_test=10, num_comparison_train=3000))
+    for split in ("train", "validation"):
+        assert 0.7 < stats[split]["gold_label_agreement"] <= 0.90
+        assert 0.35 < stats[split]["longer_summary_chosen_rate"] <= 0.55
+    assert 2.5 < stats["sft_reference_mean_gold_score"]["validation"] < 4.0

@@ -46,7 +46,7 @@ def test_models_load_offline_with_plain_transformers(models_dir, monkeypatch):
 
 def build(raw_dir, out, **kwargs):
     args = tiny_models.Args(corpus=os.path.join(raw_dir, "tldr_sft", "train.jsonl"), output_dir=str(out),
-                            sizes=["s"], **kwargs)
+                            **{"sizes": ["s"], **kwargs})
     return tiny_models.build(args)
 
 
@@ -100,7 +100,7 @@ def test_pretraining_budget_grows_with_size(raw_dir, tmp_path):
     with open(tmp_path / "x" / "models.json") as f:
         recorded = json.load(f)
     assert {name: m["pretrain_steps"] for name, m in recorded["models"].items()} == steps
-    assert recorded["args"]["pretrain_tokens_per_parameter"] == 0.02
+    assert recorded["recipe"]["pretrain_tokens_per_parameter"] == 0.02
     # the held-out loss on the validation posts next to the corpus: one number per size
     assert all(0 < m["heldout_loss"] < 10 for m in recorded["models"].values())
 
@@ -117,3 +117,24 @@ def test_heldout_loss_is_the_mean_over_windows(raw_dir, tokenizer_dir, models_di
     with torch.no_grad():
         each = [model(input_ids=w[None], labels=w[None]).loss.item() for w in windows]
     assert tiny_models.heldout_loss(model, windows) == pytest.approx(sum(each) / 20, rel=1e-5)
+
+
+def test_a_size_joins_those_built_with_the_same_recipe(raw_dir, tmp_path):
+    """hello_world.sh builds the size it uses and scaling.sh adds the others: a new size leaves the sizes
+    of the same recipe untouched; another recipe (here more pretraining) replaces the folder whole, as
+    its tokenizer may differ."""
+    out = tmp_path / "tiny"
+    build(raw_dir, out, pretrain_steps=2, sizes=["s"])
+    small = out / "pythia-tiny-s" / "model.safetensors"
+    before = (small.read_bytes(), small.stat().st_mtime_ns)
+    build(raw_dir, out, pretrain_steps=2, sizes=["m"])
+    assert sorted(os.listdir(out)) == ["models.json", "pythia-tiny-m", "pythia-tiny-s"]
+    assert (small.read_bytes(), small.stat().st_mtime_ns) == before
+    assert filecmp.cmp(out / "pythia-tiny-s" / "tokenizer.json", out / "pythia-tiny-m" / "tokenizer.json", shallow=False)
+    with open(out / "models.json") as f:
+        assert sorted(json.load(f)["models"]) == ["pythia-tiny-m", "pythia-tiny-s"]
+    build(raw_dir, out, pretrain_steps=3, sizes=["m"])
+    assert sorted(os.listdir(out)) == ["models.json", "pythia-tiny-m"]
+    with open(out / "models.json") as f:
+        recorded = json.load(f)
+    assert list(recorded["models"]) == ["pythia-tiny-m"] and recorded["recipe"]["pretrain_steps"] == 3

@@ -16,6 +16,25 @@ def test_wilson_interval_known_answers():
     assert all(np.isnan(win_rates.wilson_interval(0.5, 0)))
 
 
+def z_196_interval(p, n, z=1.96):
+    """The Wilson interval written out with the textbook's z = 1.96."""
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / (1 + z * z / n)
+    return center - half, center + half
+
+
+def test_wilson_z_follows_the_level():
+    assert win_rates.normal_quantile(0.95) == pytest.approx(1.959964, abs=1e-6)
+    assert win_rates.normal_quantile(0.90) == pytest.approx(1.644854, abs=1e-6)
+    assert win_rates.normal_quantile(0.99) == pytest.approx(2.575829, abs=1e-6)
+    # the default level (0.95) still gives z = 1.96's numbers (z differs by 4e-5)
+    for p, n in ((0.7, 10), (0.25, 40), (0.5, 2000)):
+        assert win_rates.wilson_interval(p, n) == pytest.approx(z_196_interval(p, n), abs=2e-5)
+    # 0.90 is z = 1.645's interval, narrower: 7 of 10 -> (0.4417, 0.8731) against 0.95's (0.3968, 0.8922)
+    assert win_rates.wilson_interval(0.7, 10, level=0.90) == pytest.approx(z_196_interval(0.7, 10, z=1.644854), abs=1e-6)
+    assert win_rates.wilson_interval(0.7, 10, level=0.90) == pytest.approx((0.44170, 0.87312), abs=1e-4)
+
+
 def test_bootstrap_interval_known_answers():
     # every resample of identical outcomes gives the same mean: a zero-width interval
     assert win_rates.bootstrap_interval([0.5] * 20) == (0.5, 0.5)
@@ -70,3 +89,59 @@ def test_length_controlled_rate_keeps_a_real_advantage_and_survives_separation()
     # longer always wins (perfect separation): a finite fit, symmetric data read at 0 gives 0.5
     difference = np.array([-3.0, -2, -1, 1, 2, 3])
     assert win_rates.length_controlled_win_rate((difference > 0).astype(float), difference) == pytest.approx(0.5, abs=1e-3)
+
+
+# ---------------------------------------------------------------- paired against a baseline
+
+def by_length(query, response):
+    """A stand-in judge: the number of words of the response (the query is not read)."""
+    return float(len(response.split()))
+
+
+def test_paired_comparison_known_answers():
+    # per prompt policy - baseline: +2, +1, 0, -1 -> mean +0.5; head to head W W T L -> 0.625
+    policy = {"a": 3.0, "b": 2.0, "c": 1.0, "d": 0.0}
+    baseline = {"d": 1.0, "c": 1.0, "b": 1.0, "a": 1.0}
+    paired = win_rates.paired_comparison(policy, baseline)
+    assert paired["prompts"] == 4 and paired["policy_mean"] == 1.5 and paired["baseline_mean"] == 1.0
+    assert paired["difference"] == 0.5 and paired["head_to_head"] == 0.625
+    assert paired["head_to_head_ci"] == win_rates.wilson_interval(0.625, 4)
+    assert paired["difference_ci"] == win_rates.bootstrap_interval(np.array([2.0, 1.0, 0.0, -1.0]))
+    low, high = paired["difference_ci"]
+    assert -1.0 <= low < 0.5 < high <= 2.0
+    # the same difference on every prompt: a zero-width interval, whatever the prompts' own scores
+    same = win_rates.paired_comparison({"a": 5.0, "b": -3.0, "c": 0.25}, {"a": 4.75, "b": -3.25, "c": 0.0})
+    assert same["difference"] == 0.25 and same["difference_ci"] == (0.25, 0.25) and same["head_to_head"] == 1.0
+    # 100 prompts, the policy +1 on 60 and -1 on 40: mean +0.2, bootstrap std 2 x sqrt(0.24 / 100) = 0.098
+    big = win_rates.paired_comparison({i: float(i < 60) for i in range(100)}, {i: float(i >= 60) for i in range(100)})
+    assert big["difference"] == pytest.approx(0.2) and big["head_to_head"] == pytest.approx(0.6)
+    assert big["difference_ci"] == pytest.approx((0.2 - 1.96 * 0.098, 0.2 + 1.96 * 0.098), abs=0.03)
+    assert big["head_to_head_ci"] == pytest.approx((0.50200, 0.69054), abs=1e-4)  # Wilson, 60 of 100
+
+
+def test_paired_tables_join_on_the_query():
+    # the same prompts in another order: paired by query, not by row
+    policy = {"query": ["q1", "q2", "q3"], "postprocessed_response": ["one two three", "one", "one two"]}
+    baseline = {"query": ["q3", "q1", "q2"], "postprocessed_response": ["one two", "one", "one two three four"]}
+    paired = win_rates.paired_tables(policy, baseline, by_length)  # q1 +2, q2 -3, q3 0
+    assert paired["difference"] == pytest.approx(-1 / 3) and paired["head_to_head"] == pytest.approx(0.5)
+    assert paired["policy_mean"] == 2.0 and paired["baseline_mean"] == pytest.approx(7 / 3)
+    # the row order does not move the bootstrap interval
+    reordered = {column: values[::-1] for column, values in policy.items()}
+    assert win_rates.paired_tables(reordered, baseline, by_length) == paired
+    assert win_rates.scores_by_query(["q1", "q2"], [3, 1]) == {"q1": 3.0, "q2": 1.0}
+
+
+def test_paired_tables_refuse_different_prompts():
+    policy = {"query": ["q1", "q2"], "postprocessed_response": ["a", "b"]}
+    with pytest.raises(ValueError, match="do not hold the same prompts: 1 only in the policy's, 1 only in the baseline's"):
+        win_rates.paired_tables(policy, {"query": ["q1", "q3"], "postprocessed_response": ["a", "b"]}, by_length)
+    with pytest.raises(ValueError, match="0 only in the policy's, 1 only in the baseline's"):
+        win_rates.paired_tables(policy, {"query": ["q1", "q2", "q3"], "postprocessed_response": ["a", "b", "c"]},
+                                by_length)
+    with pytest.raises(ValueError, match="the policy's table: the query 'q1' appears more than once"):
+        win_rates.paired_tables({"query": ["q1", "q1"], "postprocessed_response": ["a", "b"]}, policy, by_length)
+    with pytest.raises(ValueError, match="SFT: the query 'q2' appears more than once"):
+        win_rates.scores_by_query(["q1", "q2", "q2"], [1.0, 2.0, 3.0], "SFT")
+    with pytest.raises(ValueError, match="no prompt"):
+        win_rates.paired_comparison({}, {})
