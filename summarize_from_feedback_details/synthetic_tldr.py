@@ -43,7 +43,7 @@ class Args:
     """posts with a reference summary in tldr_sft/validation.jsonl"""
     num_sft_test: int = 500
     """posts with a reference summary in tldr_sft/test.jsonl"""
-    num_comparison_train: int = 18000
+    num_comparison_train: int = 12000
     """comparison pairs in comparisons/train.jsonl"""
     num_comparison_validation: int = 1200
     """TL;DR comparison pairs in comparisons/validation.jsonl (the news pairs come on top)"""
