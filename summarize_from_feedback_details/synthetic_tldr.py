@@ -53,7 +53,7 @@ class Args:
     """Bradley-Terry temperature on gold-score margins: P(A preferred) = sigmoid((sA - sB) / T)"""
     long_post_fraction: float = 0.12
     """posts that get long filler paragraphs at the end, so smart truncation has work to do"""
-    minimal_pair_fraction: float = 0.3
+    minimal_pair_fraction: float = 0.5
     """comparison pairs that are minimal pairs (`minimal_pair`: one summary against the same words with
     one fact wrong or left out); the others compare the summaries of two policies (POLICY_WEIGHTS)"""
 
