@@ -206,8 +206,18 @@ def derive_batch_sizes(args: Args, world_size: int, dataset_len: int) -> None:
     if args.total_episodes is None:
         args.total_episodes = dataset_len * args.num_train_epochs
     args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1 and args.total_episodes != 0:
+    if args.num_updates < 1:
         raise ValueError(f"total_episodes {args.total_episodes} < batch_size {args.batch_size}: no update possible")
+
+
+def derive_reward_batch_sizes(args: Args, world_size: int, dataset_len: int) -> None:
+    """derive_batch_sizes, where --total_episodes 0 is allowed: no update (make compare's control)."""
+    untrained = args.total_episodes == 0
+    if untrained:
+        args.total_episodes = None  # the batch arithmetic of a full pass, then none of its updates
+    derive_batch_sizes(args, world_size, dataset_len)
+    if untrained:
+        args.total_episodes = args.num_updates = 0
 
 
 def epoch_permutations(n: int, epochs: int, seed: int) -> list:
@@ -453,7 +463,7 @@ def main(args: Args) -> None:
         require_splits(label_dataset, args.label_dataset, ("validation",), "--run_eval")
     # `batch_size` may set the accumulation steps: derive them before the Accelerator exists
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    derive_batch_sizes(args, world_size, len(label_dataset["train"]))
+    derive_reward_batch_sizes(args, world_size, len(label_dataset["train"]))
     # a checkpoint continues on any process count, for the same stage, seed and batch arithmetic
     # (with the paper's per-rank shuffle the data order also depends on the process count)
     run = start_run(args, {"stage": "reward", "seed": args.seed, "batch_size": args.batch_size,
