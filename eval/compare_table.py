@@ -54,7 +54,7 @@ from common import OTHER_METHODS, local_runs, policy_colors, policy_labels, save
 from rlhf_scaling_plot import PAIRED_COLUMNS, paired_with_sft, response_lengths, run_tokenizer
 
 from summarize_from_feedback_details.synthetic_tldr import gold_score
-from summarize_from_feedback_details.win_rates import scores_by_query, t_interval, wilson_interval
+from summarize_from_feedback_details.win_rates import score_outcomes, scores_by_query, t_interval, wilson_interval
 
 
 @dataclass
@@ -164,7 +164,7 @@ def run_row(run, logged: list, label: str, reward_model_path: Optional[str], las
     # each summary and reference scored once: the win rate is gold_preference's (ties half) from them
     gold = np.array([gold_score(q, r) for q, r in zip(queries, table["postprocessed_response"].astype(str))])
     reference = np.array([gold_score(q, r) for q, r in zip(queries, table["reference_responses"].astype(str))])
-    win_rate = float(np.mean(np.where(gold > reference, 1.0, np.where(gold < reference, 0.0, 0.5))))
+    win_rate = float(np.mean(score_outcomes(gold, reference)))
     ci_low, ci_high = wilson_interval(win_rate, len(queries))
     kl = metric_values(logged, "objective/kl")[-last_updates:]
     seconds = metric_values(logged, "time/update") if kl else []  # online methods only

@@ -126,7 +126,7 @@ def gold_numbers(table: pd.DataFrame, name: str) -> tuple:
     queries = list(table["query"])
     scores = np.array([gold_score(q, r) for q, r in zip(queries, table["postprocessed_response"])])
     references = np.array([gold_score(q, r) for q, r in zip(queries, table["reference_responses"])])
-    wins = np.where(scores > references, 1.0, np.where(scores < references, 0.0, 0.5))  # = gold_preference
+    wins = win_rates.score_outcomes(scores, references)  # = gold_preference
     numbers = {"gold_score": estimate(scores.mean(), win_rates.bootstrap_interval(scores)),
                "win_rate": estimate(wins.mean(), win_rates.wilson_interval(float(wins.mean()), len(wins)))}
     try:

@@ -142,6 +142,13 @@ def outcome_of(verdict: str) -> Optional[float]:
     return {"policy": 1.0, "tie": 0.5, "reference": 0.0}.get(verdict)
 
 
+def score_outcomes(a, b) -> np.ndarray:
+    """Per row 1 / 0.5 / 0 where score a beats, ties or loses to score b (on the gold judge's scores:
+    gold_preference, ties half)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    return np.where(a > b, 1.0, np.where(a < b, 0.0, 0.5))
+
+
 def shorten(text: str, width: int = 60) -> str:
     """The start of a (long) query, for messages."""
     text = " ".join(str(text).split())
@@ -183,7 +190,7 @@ def paired_comparison(policy: Mapping, baseline: Mapping, resamples: int = 2000,
     a = np.array([policy[q] for q in queries], dtype=float)
     b = np.array([baseline[q] for q in queries], dtype=float)
     difference = a - b
-    outcomes = np.where(a > b, 1.0, np.where(a < b, 0.0, 0.5))
+    outcomes = score_outcomes(a, b)
     head_to_head = float(outcomes.mean())
     return {"prompts": len(queries), "policy_mean": float(a.mean()), "baseline_mean": float(b.mean()),
             "difference": float(difference.mean()),
