@@ -130,8 +130,11 @@ def test_micro_batch_split_gives_the_same_update(tiny_datasets, models_dir, tmp_
     m4, _, p4 = run_dpo(tiny_datasets, models_dir, str(tmp_path), "micro4", local_micro_batch_size=4,
                         gradient_accumulation_steps=1, **common)
     assert len(m1) == 2
-    for key in ("train/rm/loss", "train/rm/accuracy", "train/rm/chosen_rewards", "train/dpo/logps_rejected"):
+    for key in ("train/rm/loss", "train/rm/accuracy", "train/dpo/logps_rejected"):
         assert curve(m1, key) == pytest.approx(curve(m4, key), rel=1e-5, abs=1e-7), key
+    # an implicit reward is beta times a difference of two log-prob sums of ~ -100: their float32 ulps
+    # (~1e-5), times beta 0.1, are its noise (measured 2.8e-7 on 0.021)
+    assert curve(m1, "train/rm/chosen_rewards") == pytest.approx(curve(m4, "train/rm/chosen_rewards"), abs=2e-6)
     assert_same_params(p1, p4, rtol=1e-5, atol=1e-6)
     base = load_file(os.path.join(sft_model(models_dir), "model.safetensors"))
     assert (p1[KEY] - base[KEY]).abs().max() > 1e-5  # moved far beyond the tolerance above

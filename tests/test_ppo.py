@@ -1219,8 +1219,10 @@ def test_lora_first_ratio_is_one_and_the_reference_exact(lora_runs):
         for m in metrics:
             assert m["ppo/val/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-5), name
             assert m["ppo/policy/approxkl_first_minibatch"] < 1e-9, name
-        # before the first step the policy is its reference: zero KL, not a small one
-        assert abs(metrics[0]["objective/kl"]) < 1e-6, name
+        # before the first step the policy is its reference: zero KL up to float noise (the rollout's
+        # log-probs come from the cached decode, the reference's from one full forward; measured up to
+        # 1.3e-6 summed over a response), not the ~1e-3 of a moved policy
+        assert abs(metrics[0]["objective/kl"]) < 5e-6, name
         assert metrics[-1]["objective/kl"] > 1e-3, name  # the adapters moved the policy away
 
 

@@ -380,7 +380,11 @@ def test_deepspeed_matches_ddp(tiny_datasets, tokenizer_dir, tmp_path, config, n
     assert losses(plain) == pytest.approx(losses(ds), rel=1e-5)
     assert_same_params(p_plain, p_ds, rtol=1e-4, atol=1e-6)
     evals = [{k: v for m in run for k, v in m.items() if k.startswith("validation/")} for run in (plain, ds)]
-    assert len(evals[0]) == 4 and evals[0] == pytest.approx(evals[1], rel=1e-4)
+    assert len(evals[0]) == len(evals[1]) == 4
+    assert evals[0]["validation/sft/loss"] == pytest.approx(evals[1]["validation/sft/loss"], rel=1e-4)
+    # greedy samples of a 2-update model: its near-tied top logits may flip a token under the weights'
+    # float noise (measured: ROUGE-1 0.0281 vs 0.0303 over 60 samples); the weights are compared above
+    assert evals[0] == pytest.approx(evals[1], abs=5e-3)
 
 
 @pytest.mark.slow
