@@ -422,22 +422,22 @@ def test_deepspeed_resume_equals_the_uninterrupted_run(zero2_runs, tiny_datasets
 
 
 def test_clear_errors(tiny_datasets, models_dir, tmp_path):
+    """In this process (as the command line raises them), and once through the command line."""
     data_dir, _ = tiny_datasets
+    result = subprocess.run([sys.executable, SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
+                             sft_model(models_dir), "--output_dir", str(tmp_path / "x"), "--label_dataset", "./nope"],
+                            capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert result.returncode != 0 and "does not exist (build it with tldr_dataset.py)" in result.stderr
 
-    def fails(*flags):
-        result = subprocess.run([sys.executable, SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
-                                 sft_model(models_dir), "--output_dir", str(tmp_path / "x"), *flags],
-                                capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        assert result.returncode != 0
-        return result.stderr
+    def fails(error, match, **overrides):
+        with pytest.raises(error, match=match):
+            run_in_process(dpo.main, dpo_args(tiny_datasets, models_dir, str(tmp_path), "x", **overrides), str(tmp_path))
 
-    preference = os.path.join(data_dir, "preference")
-    assert "lacks columns" in fails("--label_dataset", os.path.join(data_dir, "sft"))
-    assert "does not exist (build it with tldr_dataset.py)" in fails("--label_dataset", "./nope")
-    assert "accelerate is not configured for DeepSpeed" in fails("--label_dataset", preference, "--deepspeed")
-    assert "--offload puts the frozen models on DeepSpeed" in fails("--label_dataset", preference, "--offload")
-    assert "--beta must be > 0" in fails("--label_dataset", preference, "--beta", "0")
-    assert "/no/such/sft does not exist" in fails("--label_dataset", preference, "--sft_model_path", "/no/such/sft")
+    fails(ValueError, "lacks columns", label_dataset=os.path.join(data_dir, "sft"))
+    fails(ValueError, "accelerate is not configured for DeepSpeed", deepspeed=True)
+    fails(ValueError, "--offload puts the frozen models on DeepSpeed", offload=True)
+    fails(ValueError, "--beta must be > 0", beta=0.0)
+    fails(FileNotFoundError, "/no/such/sft does not exist", sft_model_path="/no/such/sft")
 
 
 # ---------------------------------------------------------------------------------------------

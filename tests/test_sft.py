@@ -464,20 +464,21 @@ def test_logger_uses_wandb_only_for_its_own_tracked_run(tmp_path, monkeypatch):
 
 
 def test_clear_errors(tiny_datasets, tokenizer_dir, tmp_path):
+    """In this process (as the command line raises them), and once through the command line."""
     data_dir, _ = tiny_datasets
-
-    def fails(*flags):
-        result = subprocess.run([sys.executable, SCRIPT, *flags, "--output_dir", str(tmp_path / "x")],
-                                capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        assert result.returncode != 0
-        return result.stderr
-
     sft_data = os.path.join(data_dir, "sft")
-    assert "lacks columns" in fails("--base_model", tokenizer_dir, "--query_dataset", os.path.join(data_dir, "preference"))
-    assert "/no/such/model does not exist" in fails("--base_model", "/no/such/model", "--query_dataset", sft_data)
-    assert "does not exist (build it with tldr_dataset.py)" in fails("--base_model", tokenizer_dir, "--query_dataset", "./nope")
-    assert "not divisible" in fails("--base_model", tokenizer_dir, "--query_dataset", sft_data,
-                                    "--local_micro_batch_size", "3", "--batch_size", "16")
+    result = subprocess.run([sys.executable, SCRIPT, "--base_model", tokenizer_dir, "--query_dataset", "./nope",
+                             "--output_dir", str(tmp_path / "x")], capture_output=True, text=True, cwd=tmp_path,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert result.returncode != 0 and "does not exist (build it with tldr_dataset.py)" in result.stderr
+
+    def fails(error, match, **overrides):
+        with pytest.raises(error, match=match):
+            sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "x", **overrides)
+
+    fails(ValueError, "lacks columns", query_dataset=os.path.join(data_dir, "preference"))
+    fails(FileNotFoundError, "/no/such/model does not exist", base_model="/no/such/model", query_dataset=sft_data)
+    fails(ValueError, "not divisible", local_micro_batch_size=3, batch_size=16)
     from transformers import AutoTokenizer
 
     bad = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -486,7 +487,7 @@ def test_clear_errors(tiny_datasets, tokenizer_dir, tmp_path):
     for f in os.listdir(tokenizer_dir):
         if not f.startswith("tokenizer"):
             os.symlink(os.path.join(tokenizer_dir, f), tmp_path / "badtok" / f)
-    assert "pad token equals EOS" in fails("--base_model", str(tmp_path / "badtok"), "--query_dataset", sft_data)
+    fails(ValueError, "pad token equals EOS", base_model=str(tmp_path / "badtok"))
 
 
 # ---------------------------------------------------------------------------------------------
