@@ -5,7 +5,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from accelerate.state import AcceleratorState, GradientState
@@ -130,12 +132,32 @@ def checkpoints(models_dir, tmp_path_factory):
     return sft_path, rm_path
 
 
+_ports_handed_out = set()
+_ports_lock = threading.Lock()
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now, for a launched run's rendezvous (torchrun's default 29500 is
-    taken while any other run is up on this machine)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    taken while any other run is up on this machine), and none handed out before in this session: two
+    launches started side by side must not share one."""
+    with _ports_lock:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            if port not in _ports_handed_out:
+                _ports_handed_out.add(port)
+                return port
+
+
+def side_by_side(**calls) -> dict:
+    """name -> the finished Future of call() for `calls` run at once, each in a thread: .result() gives its
+    value, or raises its failure in the test that reads it. For launches: each spends most of its ~10 s in 3
+    Python processes importing torch, mostly one core at a time, so launches side by side fill the cores one
+    leaves idle (the runs are the same; each launch has its own port, output and run folder)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = {name: pool.submit(call) for name, call in calls.items()}
+    return futures
 
 
 def accelerate_launcher(num_processes: int, config: str = None) -> list:

@@ -308,17 +308,20 @@ def launch_dpo(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()):
 
 # two epochs of the 300 training pairs, global batch 30 (20 updates): one process (micro-batch 5 x
 # accumulation 6) or two (5 x 3 each); Adam eps 1: update ~ lr * gradient
-PROCESSES = {n: ("--num_train_epochs", "2", "--local_micro_batch_size", "5", "--gradient_accumulation_steps",
-                 str(6 // n), "--lr", "0.05", "--eps", "1") for n in (1, 2)}
+PROCESSES = {n: dict(num_train_epochs=2, local_micro_batch_size=5, gradient_accumulation_steps=6 // n, lr=0.05, eps=1.0)
+             for n in (1, 2)}
+TWO = tuple(part for key, value in PROCESSES[2].items() for part in (f"--{key}", str(value)))  # as flags
 
 
 @pytest.fixture(scope="module")
 def process_runs(tiny_datasets, models_dir, tmp_path_factory):
-    """The uninterrupted runs on one process and on two (gloo, DDP): (folder, one, two), each
-    (stdout, per-update metrics, weights, train_pairs)."""
+    """The uninterrupted runs on one process (in this process: nothing about its launch is tested, and
+    this saves a process start) and on two (gloo, DDP): (folder, one, two), each (stdout (None for
+    one), per-update metrics, weights, train_pairs)."""
     tmp_path = tmp_path_factory.mktemp("dpo_processes")
-    one = launch_dpo(tiny_datasets, models_dir, tmp_path, "one", *PROCESSES[1])
-    two = launch_dpo(tiny_datasets, models_dir, tmp_path, "two", *PROCESSES[2], launcher=accelerate_launcher(2))
+    train, _, params = run_dpo(tiny_datasets, models_dir, str(tmp_path), "one", **PROCESSES[1])
+    one = None, train, params, pd.read_csv(tmp_path / "runs" / "one" / "train_pairs.csv")
+    two = launch_dpo(tiny_datasets, models_dir, tmp_path, "two", *TWO, launcher=accelerate_launcher(2))
     return tmp_path, one, two
 
 
@@ -349,9 +352,9 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_
     the test above, with the same pairs in the same updates."""
     tmp_path, (_, one, p_one, pairs_one), (_, two, p_two, pairs_two) = process_runs
     launcher = accelerate_launcher(2)
-    checkpoint, moved = stop_and_copy(dpo_command(tiny_datasets, models_dir, tmp_path, "stopped", *PROCESSES[2],
+    checkpoint, moved = stop_and_copy(dpo_command(tiny_datasets, models_dir, tmp_path, "stopped", *TWO,
                                                  launcher=launcher), tmp_path, "stopped", len(two))
-    out, _, p_resumed, pairs_resumed = launch_dpo(tiny_datasets, models_dir, tmp_path, "stopped", *PROCESSES[2],
+    out, _, p_resumed, pairs_resumed = launch_dpo(tiny_datasets, models_dir, tmp_path, "stopped", *TWO,
                                                   "--resume", launcher=launcher)
     # (rich wraps the console at 80 columns, also inside a long path)
     assert "".join(f"resumed run stopped from {tmp_path / 'stopped' / 'checkpoints' / checkpoint}".split()) in \
@@ -359,8 +362,7 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_
     assert without_rates(read_metrics(str(tmp_path), "stopped")) == without_rates(read_metrics(str(tmp_path), "two"))
     assert_same_params(p_two, p_resumed, rtol=0, atol=0)
     assert pairs_resumed.equals(pairs_two)
-    on_one, _, p_on_one = run_dpo(tiny_datasets, models_dir, str(moved), "stopped", resume=True, lr=0.05, eps=1.0,
-                                  num_train_epochs=2, local_micro_batch_size=5, gradient_accumulation_steps=6)
+    on_one, _, p_on_one = run_dpo(tiny_datasets, models_dir, str(moved), "stopped", resume=True, **PROCESSES[1])
     assert len(on_one) == len(one) == 20
     assert curve(on_one) == pytest.approx(curve(one), rel=1e-5)
     assert curve(on_one, "train/rm/accuracy") == pytest.approx(curve(one, "train/rm/accuracy"), abs=1e-9)

@@ -2,6 +2,7 @@
 reward model's choice with the EOS penalty, the loss against the frozen SFT reference) and the
 guarantees of every stage: micro-batch split, process count, exact resume, LoRA's exact reference."""
 
+import functools
 import glob
 import inspect
 import json
@@ -16,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
 
 from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, run_in_process, run_script,
-                      signal_on_call, without_rates)
+                      signal_on_call, without_rates, side_by_side)
 from summarize_from_feedback_details import dpo, online_dpo, reward, rollout, run_infra
 from summarize_from_feedback_details import ppo_left_padding as ppo
 
@@ -437,19 +438,31 @@ def flags(args: online_dpo.Args) -> list:
 RUN_REL, RUN_ABS = 1e-4, 1e-6
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(split_runs):
+    """micro2's run launched on two processes under DDP ("two") and under DeepSpeed ZeRO-2 ("zero2"),
+    side by side: name -> the Future of its finished process."""
+    workdir, args, _ = split_runs
+
+    def launch(name, deepspeed):
+        two_args = args(name, gradient_accumulation_steps=2, local_eval_batch_size=2, deepspeed=deepspeed)
+        launcher = accelerate_launcher(2, DS_CONFIG if deepspeed else None)
+        return run_script(launcher + [SCRIPT, *flags(two_args)], workdir, OMP_NUM_THREADS="1")
+
+    return side_by_side(two=functools.partial(launch, "two", False), zero2=functools.partial(launch, "zero2", True))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("deepspeed", [False, True], ids=["ddp", "zero2"])
-def test_two_processes_match_one_process(split_runs, deepspeed):
+def test_two_processes_match_one_process(split_runs, two_process_runs, deepspeed):
     """micro2's run on two processes (micro-batch 2 x accumulation 2 each, the same global batch of 8
     and validation batch of 4), under DDP over gloo and under DeepSpeed ZeRO-2 (the frozen reference
     and reward model as inference engines): the same metrics and weights. The samples of a query come
     from its chunk's seeds on whichever rank it lands."""
-    workdir, args, runs = split_runs
+    workdir, _, runs = split_runs
     one, p_one = runs[2]
     name = "zero2" if deepspeed else "two"
-    two_args = args(name, gradient_accumulation_steps=2, local_eval_batch_size=2, deepspeed=deepspeed)
-    launcher = accelerate_launcher(2, DS_CONFIG if deepspeed else None)
-    result = run_script(launcher + [SCRIPT, *flags(two_args)], workdir, OMP_NUM_THREADS="1")
+    result = two_process_runs[name].result()
     assert "world_size 2 x local_micro_batch_size 2 x gradient_accumulation_steps 2 = batch_size 8 episodes" in \
         " ".join(result.stdout.split())
     assert ("DeepSpeed engine: ZeRO-2" in result.stdout) == deepspeed

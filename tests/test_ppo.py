@@ -1,3 +1,4 @@
+import functools
 import glob
 import inspect
 import io
@@ -7,6 +8,7 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pandas as pd
 import pytest
@@ -18,7 +20,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           GPTNeoXForSequenceClassification)
 
 from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, run_in_process, run_script,
-                      run_until_signalled, signal_on_call, without_rates)
+                      run_until_signalled, signal_on_call, without_rates, side_by_side)
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import packing, reward, rollout, run_infra, sft
 
@@ -863,11 +865,26 @@ CLIPFRAC_ABS = 0.01
 
 
 @pytest.fixture(scope="module")
-def two_processes(one_process):
-    """`one_process`'s run on two processes (launched once: the resume test compares with it too)."""
+def launched(one_process):
+    """`one_process`'s run launched on two processes: with DDP ("two"), under DeepSpeed ZeRO-2
+    ("ds_offloadFalse") and ZeRO-2 with --offload ("ds_offloadTrue"), side by side; name -> the Future
+    of (stdout, metrics, weights). Launched once: the resume tests compare with the first two too."""
     workdir, _, _, two_args = one_process
-    stdout, metrics = launch(two_args, workdir, 2)
-    return stdout, metrics, load_file(os.path.join(workdir, "two", "model.safetensors"))
+
+    def run(args, config=None):
+        stdout, metrics = launch(args, workdir, 2, config=config)
+        return stdout, metrics, load_file(os.path.join(workdir, args.run_name, "model.safetensors"))
+
+    return side_by_side(
+        two=functools.partial(run, two_args),
+        ds_offloadFalse=functools.partial(run, deepspeed_args(one_process, "ds_offloadFalse"), DS_CONFIG),
+        ds_offloadTrue=functools.partial(run, deepspeed_args(one_process, "ds_offloadTrue", offload=True), DS_CONFIG))
+
+
+@pytest.fixture(scope="module")
+def two_processes(launched):
+    """`one_process`'s run on two processes (DDP)."""
+    return launched["two"].result()
 
 
 @pytest.mark.slow
@@ -886,17 +903,19 @@ def test_two_minibatches_on_two_processes_match_one_process(tiny_datasets, check
     optimizer steps as one process. (Before, each process permuted its own rollouts with its own numpy
     stream: on two processes a minibatch held other rows, and this comparison failed.)"""
     workdir = str(tmp_path)
+    one_args = tiny_args(tiny_datasets, checkpoints, workdir, "mb_one", total_episodes=16, nminibatches=2,
+                         local_micro_batch_size=2, gradient_accumulation_steps=2,
+                         local_rollout_forward_batch_size=2, local_eval_batch_size=2, lr=1e-3)
+    two_args = variant(one_args, workdir, "mb_two", gradient_accumulation_steps=1, local_eval_batch_size=1)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one_args = tiny_args(tiny_datasets, checkpoints, workdir, "mb_one", total_episodes=16, nminibatches=2,
-                             local_micro_batch_size=2, gradient_accumulation_steps=2,
-                             local_rollout_forward_batch_size=2, local_eval_batch_size=2, lr=1e-3)
-        one = run_ppo(one_args, workdir)
+        with ThreadPoolExecutor(1) as pool:  # the launch goes on while this process runs mb_one (see side_by_side)
+            launched = pool.submit(launch, two_args, workdir, 2)
+            one = run_ppo(one_args, workdir)
     finally:
         torch.set_num_threads(threads)
-    two_args = variant(one_args, workdir, "mb_two", gradient_accumulation_steps=1, local_eval_batch_size=1)
-    stdout, two = launch(two_args, workdir, 2)
+    stdout, two = launched.result()
     assert "x nminibatches 2 = batch_size 8 episodes (minibatch 4)" in " ".join(stdout.split()) and len(two) == 2
     assert_same_metrics(one, two, RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS)
     assert_same_params(load_file(os.path.join(workdir, "mb_one", "model.safetensors")),
@@ -909,32 +928,25 @@ def deepspeed_args(one_process, name: str, offload: bool = False) -> ppo.Args:
 
 
 @pytest.fixture(scope="module")
-def deepspeed_run(one_process):
-    """`one_process`'s run on two processes under DeepSpeed ZeRO-2 (launched once: the resume test
-    compares with it too)."""
-    workdir = one_process[0]
-    stdout, metrics = launch(deepspeed_args(one_process, "ds_offloadFalse"), workdir, 2, config=DS_CONFIG)
-    return stdout, metrics, load_file(os.path.join(workdir, "ds_offloadFalse", "model.safetensors"))
+def deepspeed_run(launched):
+    """`one_process`'s run on two processes under DeepSpeed ZeRO-2."""
+    return launched["ds_offloadFalse"].result()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("offload", [False, True])
-def test_deepspeed_matches_one_process(one_process, offload, request):
+def test_deepspeed_matches_one_process(one_process, launched, offload):
     """ZeRO-2 for policy + critic over 2 processes; the frozen reference and reward model as
     DeepSpeed inference engines, with --offload as ZeRO-3 engines whose parameters stay on the CPU."""
-    workdir, metrics, params, _ = one_process
-    name = f"ds_offload{offload}"
-    if offload:
-        stdout, ds = launch(deepspeed_args(one_process, name, offload=True), workdir, 2, config=DS_CONFIG)
-    else:
-        stdout, ds, _ = request.getfixturevalue("deepspeed_run")
+    _, metrics, params, _ = one_process
+    stdout, ds, ds_params = launched[f"ds_offload{offload}"].result()
     assert "DeepSpeed engine: ZeRO-2, gradient_clipping 0.0" in stdout  # off, as without DeepSpeed
     if offload:
         assert stdout.count("DeepSpeed ZeRO-3 engine, torch.float32, parameter offload cpu, 0 of") == 2, stdout[-2000:]
     else:
         assert stdout.count("DeepSpeed ZeRO-0 engine, torch.float32, parameter offload none") == 2, stdout[-2000:]
     assert_same_metrics(metrics, ds, RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS)
-    assert_same_params(params, load_file(os.path.join(workdir, name, "model.safetensors")), rtol=1e-4, atol=1e-6)
+    assert_same_params(params, ds_params, rtol=1e-4, atol=1e-6)
 
 
 def test_frozen_models_take_the_mixed_precision_dtype():
@@ -1110,15 +1122,17 @@ def test_resume_on_two_processes_and_on_one(one_process, two_processes, one_thre
     shutil.copytree(os.path.join(workdir, "stopped"), os.path.join(moved, "stopped"))
     shutil.copytree(os.path.join(workdir, "runs", "stopped"), os.path.join(moved, "runs", "stopped"))
 
-    result = run_script(command(variant(args, workdir, "stopped", resume=True), 2), workdir, OMP_NUM_THREADS="1")
-    assert f"resumed run stopped from {path} at update {update}" in " ".join(result.stdout.split())
+    with ThreadPoolExecutor(1) as pool:  # the resume on two processes goes on while this process resumes the copy
+        resumed = pool.submit(run_script, command(variant(args, workdir, "stopped", resume=True), 2), workdir,
+                              OMP_NUM_THREADS="1")
+        on_one = run_ppo(variant(two_args, moved, "stopped", resume=True, gradient_accumulation_steps=4,
+                                 local_eval_batch_size=4), moved)
+    assert f"resumed run stopped from {path} at update {update}" in " ".join(resumed.result().stdout.split())
     assert without_rates(read_metrics(workdir, "stopped")) == without_rates(two)
     assert_same_params(p_two, load_file(os.path.join(workdir, "stopped", "model.safetensors")), rtol=0, atol=0)
     samples = run_files(workdir, "two", "samples_*.csv")
     assert len(samples) == 4 and run_files(workdir, "stopped", "samples_*.csv") == samples
 
-    on_one = run_ppo(variant(two_args, moved, "stopped", resume=True, gradient_accumulation_steps=4,
-                             local_eval_batch_size=4), moved)
     assert without_rates(on_one[:update]) == without_rates(two[:update])  # (the lines kept from the stop)
     assert_same_metrics(one, on_one, RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS)
     assert_same_params(p_one, load_file(os.path.join(moved, "stopped", "model.safetensors")), rtol=1e-4, atol=1e-6)
@@ -1190,24 +1204,28 @@ def test_lora_reference_is_the_sft_model_exactly(checkpoints):
 def lora_runs(tiny_datasets, checkpoints, tmp_path_factory):
     """LoRA PPO, global batch 8 for 3 updates: one process as micro-batch 2 x accumulation 4 and as
     4 x 2, two processes (DDP), and two under DeepSpeed ZeRO-2, at a learning rate that moves the
-    policy measurably in 3 updates (KL > 1e-3) and keeps float noise from growing past the tolerances."""
+    policy measurably in 3 updates (KL > 1e-3) and keeps float noise from growing past the tolerances.
+    The two launches go side by side while this process runs the one-process ones (see side_by_side)."""
     workdir = str(tmp_path_factory.mktemp("ppo_lora"))
     common = dict(total_episodes=24, local_rollout_forward_batch_size=2, lr=3e-3, use_peft=True, lora_r=4,
                   print_sample_output_freq=1)
+    two = tiny_args(tiny_datasets, checkpoints, workdir, "two", local_micro_batch_size=2, gradient_accumulation_steps=2,
+                    local_eval_batch_size=2, **common)
     runs = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for micro in (2, 4):
-            args = tiny_args(tiny_datasets, checkpoints, workdir, f"micro{micro}", local_micro_batch_size=micro,
-                             gradient_accumulation_steps=8 // micro, local_eval_batch_size=4, **common)
-            runs[f"micro{micro}"] = run_ppo(args, workdir)
+        with ThreadPoolExecutor(2) as pool:
+            launched = {"two": pool.submit(launch, two, workdir, 2),
+                        "zero2": pool.submit(launch, variant(two, workdir, "zero2", deepspeed=True), workdir, 2,
+                                             DS_CONFIG)}
+            for micro in (2, 4):
+                args = tiny_args(tiny_datasets, checkpoints, workdir, f"micro{micro}", local_micro_batch_size=micro,
+                                 gradient_accumulation_steps=8 // micro, local_eval_batch_size=4, **common)
+                runs[f"micro{micro}"] = run_ppo(args, workdir)
     finally:
         torch.set_num_threads(threads)
-    two = tiny_args(tiny_datasets, checkpoints, workdir, "two", local_micro_batch_size=2, gradient_accumulation_steps=2,
-                    local_eval_batch_size=2, **common)
-    runs["two"] = launch(two, workdir, 2)[1]
-    runs["zero2"] = launch(variant(two, workdir, "zero2", deepspeed=True), workdir, 2, config=DS_CONFIG)[1]
+    runs.update({name: future.result()[1] for name, future in launched.items()})
     params = {name: load_file(os.path.join(workdir, name, "model.safetensors")) for name in runs}
     return workdir, runs, params
 

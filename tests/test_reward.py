@@ -436,12 +436,29 @@ def reward_command(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=(
             "--lr", "1e-3", "--local_eval_batch_size", "64", *flags]
 
 
+def run_outputs(tmp_path, name) -> tuple:
+    """A finished run's (per-update metrics, weights, train_pairs table)."""
+    train = [m for m in read_metrics(str(tmp_path), name) if "train/rm/loss" in m]
+    pairs = pd.read_csv(tmp_path / "runs" / name / "train_pairs.csv")
+    return train, load_file(str(tmp_path / name / "model.safetensors")), pairs
+
+
 def launch_reward(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()):
     """reward.py as a user launches it; returns (stdout, per-update metrics, weights, train_pairs table)."""
     result = run_script(reward_command(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=launcher), tmp_path)
-    train = [m for m in read_metrics(str(tmp_path), name) if "train/rm/loss" in m]
-    pairs = pd.read_csv(tmp_path / "runs" / name / "train_pairs.csv")
-    return result.stdout, train, load_file(str(tmp_path / name / "model.safetensors")), pairs
+    return result.stdout, *run_outputs(tmp_path, name)
+
+
+def reference_run(tiny_datasets, models_dir, tmp_path, name, settings: dict):
+    """A plain one-process reference run in this process (nothing about its launch is tested; this saves
+    a process start): launch_reward's result, without the stdout."""
+    run_reward(tiny_datasets, models_dir, str(tmp_path), name, **settings)
+    return None, *run_outputs(tmp_path, name)
+
+
+def as_flags(settings: dict) -> tuple:
+    """The command-line flags of `settings` (reward.Args fields), for a launched run."""
+    return tuple(part for key, value in settings.items() for part in (f"--{key}", str(value)))
 
 
 def curve(train, key="train/rm/loss"):
@@ -457,18 +474,18 @@ def assert_same_params(a, b, rtol=1e-4, atol=1e-6):
 # two epochs of the 300 training pairs, global batch 30 (20 updates): one process (micro-batch 5 x
 # accumulation 6) or two (5 x 3 each). Adam eps 1 and no clipping make the update ~ lr * gradient
 # (see the micro-batch test), so a gradient averaged wrongly over ranks would show.
-PROCESSES = {n: ("--num_train_epochs", "2", "--local_micro_batch_size", "5", "--gradient_accumulation_steps",
-                 str(6 // n), "--lr", "0.05", "--eps", "1") for n in (1, 2)}
+PROCESSES = {n: dict(num_train_epochs=2, local_micro_batch_size=5, gradient_accumulation_steps=6 // n, lr=0.05, eps=1.0)
+             for n in (1, 2)}
+TWO = as_flags(PROCESSES[2])
 
 
 @pytest.fixture(scope="module")
 def process_runs(tiny_datasets, models_dir, tmp_path_factory):
-    """The uninterrupted runs on one process and on two (gloo, DDP; rank 0 tracks to an offline wandb
-    run): (folder, one, two), each (stdout, per-update metrics, weights, train_pairs)."""
+    """The uninterrupted runs on one process (in this process) and on two (gloo, DDP; rank 0 tracks to
+    an offline wandb run): (folder, one, two), each (stdout, per-update metrics, weights, train_pairs)."""
     tmp_path = tmp_path_factory.mktemp("reward_processes")
-    one = launch_reward(tiny_datasets, models_dir, tmp_path, "one", *PROCESSES[1])
-    two = launch_reward(tiny_datasets, models_dir, tmp_path, "two", *PROCESSES[2], "--track",
-                        launcher=accelerate_launcher(2))
+    one = reference_run(tiny_datasets, models_dir, tmp_path, "one", PROCESSES[1])
+    two = launch_reward(tiny_datasets, models_dir, tmp_path, "two", *TWO, "--track", launcher=accelerate_launcher(2))
     return tmp_path, one, two
 
 
@@ -495,7 +512,7 @@ def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(proce
     assert_same_params(p_one, p_two)
     # the paper's order, kept behind a flag: each rank shuffles with its own seed, so an epoch
     # repeats some pairs and misses others
-    _, _, _, paper = launch_reward(tiny_datasets, models_dir, tmp_path, "paper", *PROCESSES[2],
+    _, _, _, paper = launch_reward(tiny_datasets, models_dir, tmp_path, "paper", *TWO,
                                    "--rank_dependent_shuffle", launcher=accelerate_launcher(2))
     first_epoch = set(paper["row_index"][:n])
     assert len(paper) == 2 * n and len(first_epoch) < 0.9 * n
@@ -511,9 +528,9 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_
     in the same updates."""
     tmp_path, (_, one, p_one, pairs_one), (_, two, p_two, pairs_two) = process_runs
     launcher = accelerate_launcher(2)
-    checkpoint, moved = stop_and_copy(reward_command(tiny_datasets, models_dir, tmp_path, "stopped", *PROCESSES[2],
+    checkpoint, moved = stop_and_copy(reward_command(tiny_datasets, models_dir, tmp_path, "stopped", *TWO,
                                                     launcher=launcher), tmp_path, "stopped", len(two))
-    out, _, p_resumed, pairs_resumed = launch_reward(tiny_datasets, models_dir, tmp_path, "stopped", *PROCESSES[2],
+    out, _, p_resumed, pairs_resumed = launch_reward(tiny_datasets, models_dir, tmp_path, "stopped", *TWO,
                                                      "--resume", launcher=launcher)
     # (rich wraps the console at 80 columns, also inside a long path)
     assert "".join(f"resumed run stopped from {tmp_path / 'stopped' / 'checkpoints' / checkpoint}".split()) in \
@@ -522,8 +539,7 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_
     assert_same_params(p_two, p_resumed, rtol=0, atol=0)
     assert pairs_resumed.equals(pairs_two)
     assert run_file(str(tmp_path), "stopped", "reference_rewards") == run_file(str(tmp_path), "two", "reference_rewards")
-    run_reward(tiny_datasets, models_dir, str(moved), "stopped", resume=True, lr=0.05, eps=1.0, num_train_epochs=2,
-               local_micro_batch_size=5, gradient_accumulation_steps=6)
+    run_reward(tiny_datasets, models_dir, str(moved), "stopped", resume=True, **PROCESSES[1])
     on_one = [m for m in read_metrics(str(moved), "stopped") if "train/rm/loss" in m]
     assert len(on_one) == len(one) == 20
     assert curve(on_one) == pytest.approx(curve(one), rel=1e-5)
@@ -537,8 +553,7 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_
 # global batch 8 (micro-batch 2) for 16 updates: enough of them for a stop signal to arrive while
 # the run is still training. Adam eps 1 as above; clipping at 0.1 is active here (at 1.0 these
 # gradients are not clipped), so both backends must clip the same way.
-ZERO2 = ("--total_episodes", "128", "--local_micro_batch_size", "2", "--lr", "0.05", "--eps", "1",
-         "--max_grad_norm", "0.1")
+ZERO2 = dict(total_episodes=128, local_micro_batch_size=2, lr=0.05, eps=1.0, max_grad_norm=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -548,14 +563,14 @@ def zero2_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zero2_plain(tiny_datasets, models_dir, zero2_dir):
-    """Plain PyTorch on one process (micro-batch 2 x accumulation 4)."""
-    return launch_reward(tiny_datasets, models_dir, zero2_dir, "plain", *ZERO2, "--gradient_accumulation_steps", "4")
+    """Plain PyTorch on one process, this one (micro-batch 2 x accumulation 4)."""
+    return reference_run(tiny_datasets, models_dir, zero2_dir, "plain", dict(ZERO2, gradient_accumulation_steps=4))
 
 
 @pytest.fixture(scope="module")
 def zero2_two(tiny_datasets, models_dir, zero2_dir):
     """DeepSpeed ZeRO-2 on two processes (micro-batch 2 x accumulation 2 each), uninterrupted."""
-    return launch_reward(tiny_datasets, models_dir, zero2_dir, "ds2", "--deepspeed", *ZERO2,
+    return launch_reward(tiny_datasets, models_dir, zero2_dir, "ds2", "--deepspeed", *as_flags(ZERO2),
                          "--gradient_accumulation_steps", "2", launcher=accelerate_launcher(2, DS_CONFIG))
 
 
@@ -567,7 +582,7 @@ def test_deepspeed_zero2_matches_ddp(tiny_datasets, models_dir, zero2_dir, zero2
     if num_processes == 2:
         out, ds, p_ds, _ = request.getfixturevalue("zero2_two")
     else:
-        out, ds, p_ds, _ = launch_reward(tiny_datasets, models_dir, zero2_dir, "ds1", "--deepspeed", *ZERO2,
+        out, ds, p_ds, _ = launch_reward(tiny_datasets, models_dir, zero2_dir, "ds1", "--deepspeed", *as_flags(ZERO2),
                                          "--gradient_accumulation_steps", "4", launcher=accelerate_launcher(1, DS_CONFIG))
     assert "DeepSpeed engine: ZeRO-2, gradient_clipping 0.1" in out and len(ds) == 16
     assert curve(plain) == pytest.approx(curve(ds), rel=1e-5)
@@ -581,7 +596,7 @@ def test_deepspeed_resume_equals_the_uninterrupted_run(zero2_two, zero2_dir, tin
     train_pairs.csv, bit for bit."""
     _, _, p_whole, pairs_whole = zero2_two
     launcher = accelerate_launcher(2, DS_CONFIG)
-    flags = ("--deepspeed", *ZERO2, "--gradient_accumulation_steps", "2")
+    flags = ("--deepspeed", *as_flags(ZERO2), "--gradient_accumulation_steps", "2")
     run_until_signalled(reward_command(tiny_datasets, models_dir, zero2_dir, "ds2_stopped", *flags, launcher=launcher),
                         zero2_dir, zero2_dir / "runs" / "ds2_stopped" / "metrics.jsonl", 1)
     (checkpoint,) = os.listdir(zero2_dir / "ds2_stopped" / "checkpoints")
@@ -598,11 +613,10 @@ def test_deepspeed_resume_equals_the_uninterrupted_run(zero2_two, zero2_dir, tin
 def test_deepspeed_zero3_matches_ddp_and_saves_the_normalised_model(tiny_datasets, models_dir, tmp_path):
     """ZeRO-3 shards every weight: the normalisation shift must gather the two it changes, and the
     saved model must still give the SFT train references mean reward 0."""
-    common = ("--total_episodes", "16", "--local_micro_batch_size", "2", "--lr", "0.05", "--eps", "1",
-              "--max_grad_norm", "0.1")
-    _, plain, p_plain, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "plain", *common,
-                                         "--gradient_accumulation_steps", "4")
-    _, ds, p_ds, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "z3", "--deepspeed", *common,
+    common = dict(ZERO2, total_episodes=16)
+    _, plain, p_plain, _ = reference_run(tiny_datasets, models_dir, tmp_path, "plain",
+                                         dict(common, gradient_accumulation_steps=4))
+    _, ds, p_ds, _ = launch_reward(tiny_datasets, models_dir, tmp_path, "z3", "--deepspeed", *as_flags(common),
                                    "--gradient_accumulation_steps", "2", launcher=accelerate_launcher(2, DS_ZERO3_CONFIG))
     assert curve(plain) == pytest.approx(curve(ds), rel=1e-5)
     assert_same_params(p_plain, p_ds)

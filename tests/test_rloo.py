@@ -2,6 +2,7 @@
 runs of the tiny default that check the rollout layout and seeds, the split and process-count invariance,
 exact resume, an lr=0 update and GRPO."""
 
+import functools
 import glob
 import inspect
 import json
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, run_in_process, run_script,
-                      signal_on_call, without_rates)
+                      signal_on_call, without_rates, side_by_side)
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import rloo, rollout, run_infra
 
@@ -354,18 +355,30 @@ def test_micro_batch_split_gives_the_same_update(base_run, tiny_datasets, checkp
     assert_same_params(params, load_file(os.path.join(workdir, "micro1", "model.safetensors")), rtol=1e-4, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(base_run, tiny_datasets, checkpoints):
+    """BASE launched on two processes (micro-batch 2 each) under DDP ("two") and under DeepSpeed ZeRO-2
+    ("zero2"), side by side: name -> the Future of its finished process."""
+    workdir = base_run[0]
+
+    def launch(name, deepspeed):
+        args = tiny_args(tiny_datasets, checkpoints, workdir, name, local_micro_batch_size=2,
+                         gradient_accumulation_steps=1, local_eval_batch_size=2, deepspeed=deepspeed, **BASE)
+        launcher = accelerate_launcher(2, DS_CONFIG if deepspeed else None)
+        return run_script(launcher + [SCRIPT, *flags(args)], workdir, OMP_NUM_THREADS="1")
+
+    return side_by_side(two=functools.partial(launch, "two", False), zero2=functools.partial(launch, "zero2", True))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("deepspeed", [False, True], ids=["ddp", "zero2"])
-def test_two_processes_match_one_process(base_run, tiny_datasets, checkpoints, deepspeed):
+def test_two_processes_match_one_process(base_run, two_process_runs, deepspeed):
     """BASE on two processes (2 queries each, micro-batch 2), under DDP and under DeepSpeed ZeRO-2 (the frozen
     reference and reward model as inference engines): each query's samples on one process, from the same seeds;
     the minibatches drawn from the gathered global batch."""
     workdir, _, metrics, params, _ = base_run
     name = "zero2" if deepspeed else "two"
-    args = tiny_args(tiny_datasets, checkpoints, workdir, name, local_micro_batch_size=2,
-                     gradient_accumulation_steps=1, local_eval_batch_size=2, deepspeed=deepspeed, **BASE)
-    launcher = accelerate_launcher(2, DS_CONFIG if deepspeed else None)
-    result = run_script(launcher + [SCRIPT, *flags(args)], workdir, OMP_NUM_THREADS="1")
+    result = two_process_runs[name].result()
     assert "world_size 2" in result.stdout and "4 queries x rloo_k 2" in " ".join(result.stdout.split())
     assert ("DeepSpeed engine: ZeRO-2" in result.stdout) == deepspeed
     assert_same_metrics(training_lines(metrics), read_metrics(workdir, name), RUN_REL, RUN_ABS, CLIPFRAC_ABS)

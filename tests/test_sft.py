@@ -181,21 +181,6 @@ def losses(metrics):
     return [m["train/sft/loss"] for m in metrics if "train/sft/loss" in m]
 
 
-@pytest.mark.parametrize("normalization", ["sequence", "token"])
-def test_micro_batch_split_gives_the_same_update(tiny_datasets, tokenizer_dir, tmp_path, normalization):
-    """A fixed local batch of 4: micro-batch 1 x accumulation 4 == micro-batch 4 x accumulation 1."""
-    common = ("--total_episodes", "4", "--loss_normalization", normalization)
-    _, m1, p1 = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "micro1", "--local_micro_batch_size", "1",
-                        "--gradient_accumulation_steps", "4", *common)
-    _, m4, p4 = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "micro4", "--local_micro_batch_size", "4",
-                        "--gradient_accumulation_steps", "1", *common)
-    assert losses(m1) == pytest.approx(losses(m4), rel=1e-6)
-    assert_same_params(p1, p4)
-    # and the update really moved the weights
-    base = load_file(os.path.join(tokenizer_dir, "model.safetensors"))
-    assert any(not torch.equal(p1[k], base[k]) for k in p1)
-
-
 def sft_in_process(tiny_datasets, tokenizer_dir, workdir, name, **overrides):
     """sft.main in this process: (metrics, saved weights)."""
     args = sft.Args(**{**dict(base_model=tokenizer_dir, query_dataset=os.path.join(tiny_datasets[0], "sft"),
@@ -205,6 +190,21 @@ def sft_in_process(tiny_datasets, tokenizer_dir, workdir, name, **overrides):
     with open(os.path.join(workdir, "runs", name, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     return metrics, load_file(os.path.join(workdir, name, "model.safetensors"))
+
+
+@pytest.mark.parametrize("normalization", ["sequence", "token"])
+def test_micro_batch_split_gives_the_same_update(tiny_datasets, tokenizer_dir, tmp_path, normalization):
+    """A fixed local batch of 4: micro-batch 1 x accumulation 4 == micro-batch 4 x accumulation 1."""
+    common = dict(total_episodes=4, loss_normalization=normalization)
+    m1, p1 = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "micro1", local_micro_batch_size=1,
+                            gradient_accumulation_steps=4, **common)
+    m4, p4 = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "micro4", local_micro_batch_size=4,
+                            gradient_accumulation_steps=1, **common)
+    assert losses(m1) == pytest.approx(losses(m4), rel=1e-6)
+    assert_same_params(p1, p4)
+    # and the update really moved the weights
+    base = load_file(os.path.join(tokenizer_dir, "model.safetensors"))
+    assert any(not torch.equal(p1[k], base[k]) for k in p1)
 
 
 def test_gradient_checkpointing_changes_nothing(tiny_datasets, tokenizer_dir, tmp_path, attention_calls):
@@ -321,18 +321,24 @@ PROCESSES = {n: ("--total_episodes", "48", "--local_micro_batch_size", "2", "--g
                  "--print_sample_output_freq", "1") for n in (1, 2)}
 
 
+def as_overrides(flags) -> dict:
+    """Integer command-line flags ("--name", "value", ...) as sft.Args overrides."""
+    return {k.lstrip("-"): int(v) for k, v in zip(flags[::2], flags[1::2])}
+
+
 @pytest.fixture(scope="module")
 def process_runs(tiny_datasets, tokenizer_dir, tmp_path_factory):
-    """The uninterrupted runs on one and on two processes (gloo, DDP)."""
+    """The uninterrupted runs on one process (in this one: only the two-process run's launch is under
+    test) and on two processes (gloo, DDP)."""
     tmp_path = tmp_path_factory.mktemp("sft_processes")
-    one = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "one", *PROCESSES[1])
+    one = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "one", **as_overrides(PROCESSES[1]))
     two = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "two", *PROCESSES[2], launcher=accelerate_launcher(2))
     return tmp_path, one, two
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_process(process_runs):
-    _, (_, one, p_one), (result, two, p_two) = process_runs
+    _, (one, p_one), (result, two, p_two) = process_runs
     assert "world_size 2" in result.stdout
     assert len(losses(one)) == 6
     assert losses(one) == pytest.approx(losses(two), rel=1e-5)  # float reduction order differs slightly
@@ -345,7 +351,7 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, tokeniz
     the uninterrupted two-process run, bit for bit. Resumed on one process from a copy of the same
     checkpoint (same global batch): the uninterrupted one-process run, within the tolerance of the
     test above."""
-    tmp_path, (_, one, p_one), (_, two, p_two) = process_runs
+    tmp_path, (one, p_one), (_, two, p_two) = process_runs
     stopped = run_until_signalled(sft_command(tiny_datasets, tokenizer_dir, tmp_path, "stopped", *PROCESSES[2],
                                               launcher=accelerate_launcher(2)),
                                   tmp_path, tmp_path / "runs" / "stopped" / "metrics.jsonl", 1)
@@ -360,21 +366,32 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, tokeniz
     assert without_rates(resumed) == without_rates(two)
     assert_same_params(p_two, p_resumed, rtol=0, atol=0)
     on_one, p_on_one = sft_in_process(tiny_datasets, tokenizer_dir, str(moved), "stopped", resume=True,
-                                      **{k.lstrip("-"): int(v) for k, v in zip(PROCESSES[1][::2], PROCESSES[1][1::2])})
+                                      **as_overrides(PROCESSES[1]))
     assert losses(on_one) == pytest.approx(losses(one), rel=1e-5) and len(losses(on_one)) == 6
     assert_same_params(p_one, p_on_one, rtol=1e-4, atol=1e-6)
+
+
+# the DeepSpeed comparison's global batch of 8 for 2 updates, with the eval
+DS_COMMON = ("--total_episodes", "16", "--local_micro_batch_size", "2", "--run_eval", "--local_eval_batch_size", "40")
+
+
+@pytest.fixture(scope="module")
+def plain_run(tiny_datasets, tokenizer_dir, tmp_path_factory):
+    """The one-process run without DeepSpeed that each DeepSpeed setting is compared with: one run for
+    all of them, in this process (its launch is not under test): (metrics, weights)."""
+    return sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path_factory.mktemp("sft_plain")), "plain",
+                          total_episodes=16, local_micro_batch_size=2, run_eval=True, local_eval_batch_size=40,
+                          gradient_accumulation_steps=4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config,num_processes", [(DS_CONFIG, 1), (DS_CONFIG, 2), (DS_ZERO3_CONFIG, 2)],
                          ids=["zero2-1proc", "zero2-2proc", "zero3-2proc"])
-def test_deepspeed_matches_ddp(tiny_datasets, tokenizer_dir, tmp_path, config, num_processes):
+def test_deepspeed_matches_ddp(plain_run, tiny_datasets, tokenizer_dir, tmp_path, config, num_processes):
     """Same global batch of 8 for 2 updates; with ZeRO-3 (weights sharded across ranks) also the
     eval's generation, which needs every rank to take the same number of steps."""
-    common = ("--total_episodes", "16", "--local_micro_batch_size", "2", "--run_eval", "--local_eval_batch_size", "40")
-    _, plain, p_plain = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "plain", *common,
-                                "--gradient_accumulation_steps", "4")
-    ds_out, ds, p_ds = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "ds", "--deepspeed", *common,
+    plain, p_plain = plain_run
+    ds_out, ds, p_ds = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "ds", "--deepspeed", *DS_COMMON,
                           "--gradient_accumulation_steps", str(4 // num_processes), launcher=accelerate_launcher(num_processes, config))
     assert "DeepSpeed engine: ZeRO-" in ds_out.stdout and "gradient_clipping 0.0" in ds_out.stdout  # off, not 1.0
     assert losses(plain) == pytest.approx(losses(ds), rel=1e-5)
@@ -408,11 +425,10 @@ def test_deepspeed_resume_equals_the_uninterrupted_run(tiny_datasets, tokenizer_
 
 
 def test_deepspeed_flag_without_deepspeed_is_an_error(tiny_datasets, tokenizer_dir, tmp_path):
-    data_dir, _ = tiny_datasets
-    result = subprocess.run([sys.executable, SCRIPT, "--base_model", tokenizer_dir, "--query_dataset",
-                             os.path.join(data_dir, "sft"), "--deepspeed", "--output_dir", str(tmp_path / "x")],
-                            capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert result.returncode != 0 and "accelerate is not configured for DeepSpeed" in result.stderr
+    """In this process, as the command line raises it (test_clear_errors checks that the command line
+    turns such an error into a failed exit and the message)."""
+    with pytest.raises(ValueError, match="accelerate is not configured for DeepSpeed"):
+        sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "x", deepspeed=True)
 
 
 @pytest.mark.slow
@@ -497,7 +513,7 @@ def test_clear_errors(tiny_datasets, tokenizer_dir, tmp_path):
 ADAPTED = ("query_key_value.weight", "attention.dense.weight", "dense_h_to_4h.weight", "dense_4h_to_h.weight")
 
 
-def test_lora_micro_batch_split_and_the_saved_merged_model(tiny_datasets, tokenizer_dir, tmp_path):
+def test_lora_micro_batch_split_and_the_saved_merged_model(tiny_datasets, tokenizer_dir, tmp_path, capsys):
     """LoRA SFT: micro-batch 1 x 4 == 4 x 1; the saved model is the base where no adapter sits
     (embeddings, norms, LM head: bit for bit) and base + the adapter's update where one does, with
     the logits of the base wrapped in the saved adapter."""
@@ -506,13 +522,14 @@ def test_lora_micro_batch_split_and_the_saved_merged_model(tiny_datasets, tokeni
 
     # (lr 1e-3: Adam (eps 1e-5) magnifies float noise in a near-zero gradient by up to lr / eps; at 1e-2
     # the two splits differed by 1.1e-6 in a merged weight on some CPUs)
-    common = ("--total_episodes", "8", "--use_peft", "--lora_r", "4", "--lr", "1e-3")
-    result, m1, p1 = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "lora1", "--local_micro_batch_size", "1",
-                             "--gradient_accumulation_steps", "4", *common)
-    _, m4, p4 = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "lora4", "--local_micro_batch_size", "4",
-                        "--gradient_accumulation_steps", "1", *common)
+    common = dict(total_episodes=8, use_peft=True, lora_r=4, lr=1e-3)
+    capsys.readouterr()
+    m1, p1 = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "lora1", local_micro_batch_size=1,
+                            gradient_accumulation_steps=4, **common)
     # r 4 x (in + out features) of qkv 64->192, dense 64->64, 64->256, 256->64, in 2 layers
-    assert "model: 8,192 trainable parameters of" in result.stdout
+    assert "model: 8,192 trainable parameters of" in capsys.readouterr().out
+    m4, p4 = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "lora4", local_micro_batch_size=4,
+                            gradient_accumulation_steps=1, **common)
     assert losses(m1) == pytest.approx(losses(m4), rel=1e-6) and len(losses(m1)) == 2
     assert_same_params(p1, p4)
     base = load_file(os.path.join(tokenizer_dir, "model.safetensors"))
@@ -566,10 +583,10 @@ def test_load_in_4bit_trains_lora_over_nf4_weights(tiny_datasets, tokenizer_dir,
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    common = ("--total_episodes", "16", "--local_micro_batch_size", "4", "--gradient_accumulation_steps", "2",
-              "--use_peft", "--lora_r", "4", "--lr", "1e-2", "--print_sample_output_freq", "1")
-    _, full, _ = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "lora", *common)
-    _, quantized, _ = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "lora4bit", *common, "--load_in_4bit")
+    common = dict(total_episodes=16, local_micro_batch_size=4, gradient_accumulation_steps=2, use_peft=True, lora_r=4,
+                  lr=1e-2, print_sample_output_freq=1)
+    full, _ = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "lora", **common)
+    quantized, _ = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "lora4bit", load_in_4bit=True, **common)
     assert len(losses(quantized)) == 2 and all(map(math.isfinite, losses(quantized)))
     assert abs(losses(quantized)[0] - losses(full)[0]) > 1e-4  # the same data through NF4 weights
     assert losses(quantized)[1] != losses(full)[1]
