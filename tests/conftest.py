@@ -179,6 +179,12 @@ def run_script(cmd: list, cwd, **env) -> subprocess.CompletedProcess:
     return result
 
 
+def as_flags(settings: dict) -> tuple:
+    """The command-line flags of `settings` (a stage's Args fields as keyword overrides), for a launched
+    run of the settings an in-process run takes as keywords."""
+    return tuple(part for key, value in settings.items() for part in (f"--{key}", str(value)))
+
+
 def command_line_flags(args) -> list:
     """The command line of a stage's `args`: its flags whose values differ from the defaults. Fields
     derived at run time are not flags (tyro.conf.Suppress), though a run fills them in."""

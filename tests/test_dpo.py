@@ -12,8 +12,8 @@ from datasets import DatasetDict, load_from_disk
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (accelerate_launcher, assert_throughput, run_in_process, run_script, run_until_signalled,
-                      signal_on_call, stop_and_copy, without_rates)
+from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script,
+                      run_until_signalled, signal_on_call, stop_and_copy, without_rates)
 from summarize_from_feedback_details import dpo, reward, run_infra, sft
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
@@ -310,7 +310,7 @@ def launch_dpo(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()):
 # accumulation 6) or two (5 x 3 each); Adam eps 1: update ~ lr * gradient
 PROCESSES = {n: dict(num_train_epochs=2, local_micro_batch_size=5, gradient_accumulation_steps=6 // n, lr=0.05, eps=1.0)
              for n in (1, 2)}
-TWO = tuple(part for key, value in PROCESSES[2].items() for part in (f"--{key}", str(value)))  # as flags
+TWO = as_flags(PROCESSES[2])
 
 
 @pytest.fixture(scope="module")

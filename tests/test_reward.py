@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
                           GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForSequenceClassification)
 
-from conftest import (accelerate_launcher, assert_throughput, run_in_process, run_script, run_until_signalled,
-                      signal_on_call, stop_and_copy, without_rates)
+from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script,
+                      run_until_signalled, signal_on_call, stop_and_copy, without_rates)
 from summarize_from_feedback_details import reward, run_infra, sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -454,11 +454,6 @@ def reference_run(tiny_datasets, models_dir, tmp_path, name, settings: dict):
     a process start): launch_reward's result, without the stdout."""
     run_reward(tiny_datasets, models_dir, str(tmp_path), name, **settings)
     return None, *run_outputs(tmp_path, name)
-
-
-def as_flags(settings: dict) -> tuple:
-    """The command-line flags of `settings` (reward.Args fields), for a launched run."""
-    return tuple(part for key, value in settings.items() for part in (f"--{key}", str(value)))
 
 
 def curve(train, key="train/rm/loss"):

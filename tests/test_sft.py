@@ -11,8 +11,8 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
-from conftest import (accelerate_launcher, assert_throughput, run_in_process, run_script, run_until_signalled,
-                      signal_on_call, without_rates)
+from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script,
+                      run_until_signalled, signal_on_call, without_rates)
 from summarize_from_feedback_details import packing, run_infra, sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -317,13 +317,9 @@ def read_metrics(workdir, name) -> list:
 # global batch 8 for 6 updates: one process (micro-batch 2 x accumulation 4) or two (2 x 2 each);
 # a sample table every update (generation: the runs draw from their RNG, and an update takes long
 # enough for a signal to arrive in the middle of the run)
-PROCESSES = {n: ("--total_episodes", "48", "--local_micro_batch_size", "2", "--gradient_accumulation_steps", str(8 // 2 // n),
-                 "--print_sample_output_freq", "1") for n in (1, 2)}
-
-
-def as_overrides(flags) -> dict:
-    """Integer command-line flags ("--name", "value", ...) as sft.Args overrides."""
-    return {k.lstrip("-"): int(v) for k, v in zip(flags[::2], flags[1::2])}
+PROCESSES = {n: dict(total_episodes=48, local_micro_batch_size=2, gradient_accumulation_steps=8 // 2 // n,
+                     print_sample_output_freq=1) for n in (1, 2)}
+TWO = as_flags(PROCESSES[2])
 
 
 @pytest.fixture(scope="module")
@@ -331,8 +327,8 @@ def process_runs(tiny_datasets, tokenizer_dir, tmp_path_factory):
     """The uninterrupted runs on one process (in this one: only the two-process run's launch is under
     test) and on two processes (gloo, DDP)."""
     tmp_path = tmp_path_factory.mktemp("sft_processes")
-    one = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "one", **as_overrides(PROCESSES[1]))
-    two = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "two", *PROCESSES[2], launcher=accelerate_launcher(2))
+    one = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "one", **PROCESSES[1])
+    two = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "two", *TWO, launcher=accelerate_launcher(2))
     return tmp_path, one, two
 
 
@@ -352,7 +348,7 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, tokeniz
     checkpoint (same global batch): the uninterrupted one-process run, within the tolerance of the
     test above."""
     tmp_path, (one, p_one), (_, two, p_two) = process_runs
-    stopped = run_until_signalled(sft_command(tiny_datasets, tokenizer_dir, tmp_path, "stopped", *PROCESSES[2],
+    stopped = run_until_signalled(sft_command(tiny_datasets, tokenizer_dir, tmp_path, "stopped", *TWO,
                                               launcher=accelerate_launcher(2)),
                                   tmp_path, tmp_path / "runs" / "stopped" / "metrics.jsonl", 1)
     (checkpoint,) = os.listdir(tmp_path / "stopped" / "checkpoints")
@@ -360,13 +356,13 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, tokeniz
     moved = tmp_path / "moved"
     shutil.copytree(tmp_path / "stopped", moved / "stopped")
     shutil.copytree(tmp_path / "runs" / "stopped", moved / "runs" / "stopped")
-    result, resumed, p_resumed = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "stopped", *PROCESSES[2], "--resume",
+    result, resumed, p_resumed = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "stopped", *TWO, "--resume",
                                          launcher=accelerate_launcher(2))
     assert f"resumed run stopped from {tmp_path / 'stopped' / 'checkpoints' / checkpoint}" in " ".join(result.stdout.split())
     assert without_rates(resumed) == without_rates(two)
     assert_same_params(p_two, p_resumed, rtol=0, atol=0)
     on_one, p_on_one = sft_in_process(tiny_datasets, tokenizer_dir, str(moved), "stopped", resume=True,
-                                      **as_overrides(PROCESSES[1]))
+                                      **PROCESSES[1])
     assert losses(on_one) == pytest.approx(losses(one), rel=1e-5) and len(losses(on_one)) == 6
     assert_same_params(p_one, p_on_one, rtol=1e-4, atol=1e-6)
 
@@ -410,13 +406,13 @@ def test_deepspeed_resume_equals_the_uninterrupted_run(tiny_datasets, tokenizer_
     resumed from DeepSpeed's own checkpoint: the uninterrupted run's metrics and weights, bit for
     bit. A ZeRO checkpoint is sharded by rank: resuming it on one process is refused."""
     launcher = accelerate_launcher(2, DS_CONFIG)
-    _, whole, p_whole = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "whole", "--deepspeed", *PROCESSES[2],
+    _, whole, p_whole = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "whole", "--deepspeed", *TWO,
                                 launcher=launcher)
-    run_until_signalled(sft_command(tiny_datasets, tokenizer_dir, tmp_path, "stopped", "--deepspeed", *PROCESSES[2],
+    run_until_signalled(sft_command(tiny_datasets, tokenizer_dir, tmp_path, "stopped", "--deepspeed", *TWO,
                                     launcher=launcher), tmp_path, tmp_path / "runs" / "stopped" / "metrics.jsonl", 1)
     (checkpoint,) = os.listdir(tmp_path / "stopped" / "checkpoints")
     assert "pytorch_model" in os.listdir(tmp_path / "stopped" / "checkpoints" / checkpoint)  # DeepSpeed's format
-    _, resumed, p_resumed = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "stopped", "--deepspeed", *PROCESSES[2],
+    _, resumed, p_resumed = run_sft(tiny_datasets, tokenizer_dir, tmp_path, "stopped", "--deepspeed", *TWO,
                                     "--resume", launcher=launcher)
     assert without_rates(resumed) == without_rates(whole)
     assert_same_params(p_whole, p_resumed, rtol=0, atol=0)
