@@ -40,8 +40,8 @@ from rich.text import Text
 from summarize_from_feedback_details.ppo_left_padding import (QUERY_COLUMNS, derived_seed, forward, gather_logprobs,
                                                               get_reward, scaled_logits, truncate_response)
 from summarize_from_feedback_details.rollout import SamplingGroup, decode
-from summarize_from_feedback_details.run_infra import (load_policy, load_reward_model, load_split_dataset,
-                                                       load_tokenizer, looks_local)
+from summarize_from_feedback_details.run_infra import (check_model_path, load_policy, load_reward_model,
+                                                       load_split_dataset, load_tokenizer, looks_local)
 
 
 @dataclass
@@ -150,6 +150,7 @@ def resolve(path: str, revision: Optional[str], flag: str) -> str:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"--{flag} {path} does not exist (./hello_world.sh writes the default "
                                     "models; pass another folder or a hub name)")
+        check_model_path(path)
         return path
     if revision is None:
         return path

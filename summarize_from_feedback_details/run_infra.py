@@ -92,16 +92,31 @@ def looks_local(path: str) -> bool:
     return os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1
 
 
-def check_model_path(path: str) -> None:
-    if looks_local(path) and not os.path.isdir(path):
+# what a local folder must hold to be loaded as a model, or as a tokenizer
+MODEL_FILES, TOKENIZER_FILES = ("config.json",), ("tokenizer_config.json", "tokenizer.json")
+
+
+def check_model_path(path: str, needs: tuple = MODEL_FILES) -> None:
+    """A local `path` that does not exist, or that holds none of the files `needs` (a stage that
+    failed or was stopped before its final save leaves its output folder with a `.lock` and perhaps
+    checkpoints), is named as such, not as transformers' "Unrecognized model ... model_type"."""
+    if not looks_local(path):
+        return
+    if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path} does not exist")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in needs):
+        held = sorted(os.listdir(path))
+        listing = ", ".join(held[:8]) + (" ..." if len(held) > 8 else "") if held else "nothing"
+        resume = " Its checkpoints/ can be finished with the same command and --resume." if "checkpoints" in held else ""
+        raise FileNotFoundError(f"model path {path} holds no model (no {needs[0]}; it holds {listing}): a failed or "
+                                f"unfinished run?{resume}")
 
 
 def load_tokenizer(name: str):
     """`name`'s tokenizer, right-padding, with a dedicated pad token that is never EOS (Pythia has
     none: `[PAD]` is added, and id 50277 fits in its 50304-row embedding) and an EOS text that
     encodes to the EOS id (the datasets append it as text)."""
-    check_model_path(name)
+    check_model_path(name, TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(name, padding_side="right")
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
@@ -508,6 +523,26 @@ def lock_output_dir(output_dir: str):
     return handle
 
 
+def check_fresh_start(args) -> None:
+    """A run without --resume starts only where no earlier run would be mixed into it: in an
+    --output_dir holding another run's checkpoints, the newest checkpoint would be that run's (it
+    sorts after this run's first one, which `--keep_checkpoints` then prunes), and after a crash
+    --resume would continue the old run; a run folder runs/<--run_name> that already holds logs
+    would get this run's metrics appended to the old ones and a second TensorBoard event file."""
+    if args.resume:
+        return
+    folder = os.path.join(args.output_dir, "checkpoints") if args.output_dir else None
+    names = sorted(n for n in os.listdir(folder) if n.startswith("update-")) if folder and os.path.isdir(folder) else []
+    if names:
+        raise FileExistsError(f"--output_dir {args.output_dir} holds checkpoints of an earlier run (newest: "
+                              f"{names[-1]}), and --resume was not given. --resume continues that run; to start over, "
+                              f"delete {folder} or choose another --output_dir")
+    logs = os.path.join("runs", args.run_name) if args.run_name else None
+    if logs and os.path.isdir(logs) and os.listdir(logs):
+        raise FileExistsError(f"--run_name {args.run_name}: {logs} already holds a run's logs, which this run would "
+                              f"append to. Choose another --run_name, or delete {logs}")
+
+
 def start_run(args, identity: dict, generates: bool = False) -> "Run":
     """The prologue of every stage, after its batch arithmetic (`args.world_size` and the batch
     fields are set): the Accelerator (CPU processes talk over gloo; a single plain process needs no
@@ -523,6 +558,7 @@ def start_run(args, identity: dict, generates: bool = False) -> "Run":
     check_settings(args)
     # before the process group: the refused rank ends the launch without the others waiting on it
     lock = lock_output_dir(args.output_dir) if args.output_dir and int(os.environ.get("RANK", "0")) == 0 else None
+    check_fresh_start(args)
     distributed_cpu = "WORLD_SIZE" in os.environ and not torch.cuda.is_available()
     kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else []
     accelerator = Accelerator(

@@ -167,6 +167,28 @@ def test_query_major_layout():
     assert rloo.query_major([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])], 2).tolist() == [1.0, 3.0, 2.0, 4.0]
 
 
+@pytest.mark.parametrize("flags, message", [
+    ({"rloo_k": 1}, r"--rloo_k 1: rloo needs >= 2 samples per query .* the advantage is the raw reward, a biased"),
+    ({"rloo_k": 1, "algorithm": "grpo"}, r"--rloo_k 1: grpo needs >= 2 samples per query .* every advantage is 0"),
+    ({"no_clip": True, "noptepochs": 3}, r"--no_clip with --noptepochs 3 --nminibatches 1: plain REINFORCE is "
+                                         r"on-policy, one step per batch"),
+    ({"no_clip": True, "nminibatches": 2, "local_micro_batch_size": 4}, r"--no_clip with --noptepochs 1 "
+                                                                        r"--nminibatches 2"),
+    ({"grpo_std": "population"}, r"--grpo_std does nothing under --algorithm rloo"),
+    ({"grpo_loss": "dr_grpo"}, r"--grpo_loss does nothing under --algorithm rloo"),
+    ({"algorithm": "grpo", "token_level_ratio": True}, r"--token_level_ratio does nothing under --algorithm grpo"),
+])
+def test_settings_that_cannot_learn_or_do_nothing_are_refused(flags, message):
+    """Legal flags that would waste a run: a group of one (GRPO: all-zero advantages; RLOO: the raw
+    reward as advantage), plain REINFORCE over stale samples (the ratio reached 23,004 at epoch 3),
+    and a flag the chosen algorithm never reads."""
+    with pytest.raises(ValueError, match=message):
+        rloo.derive_batch_sizes(rloo.Args(**{"local_rollout_forward_batch_size": 1, **flags}), 1)
+    for allowed in ({"no_clip": True}, {"algorithm": "grpo", "grpo_std": "population", "grpo_loss": "dr_grpo"},
+                    {"token_level_ratio": True, "noptepochs": 2}):
+        rloo.derive_batch_sizes(rloo.Args(local_rollout_forward_batch_size=1, **allowed), 1)
+
+
 def test_derive_batch_sizes():
     args = rloo.Args(local_micro_batch_size=2, gradient_accumulation_steps=4, nminibatches=2,
                      local_rollout_forward_batch_size=4, total_episodes=100, rloo_k=2)

@@ -354,6 +354,55 @@ def test_a_model_path_without_the_head_the_stage_needs_is_refused(tmp_path):
     run_infra.checked_load(AutoModelForCausalLM, causal, "causal LM")
 
 
+def test_a_folder_a_failed_run_left_is_named_as_holding_no_model(tmp_path):
+    """A stage that failed before its final save leaves its output folder with a `.lock` (and perhaps
+    checkpoints): loading it as a model or a tokenizer says so, not transformers' "Unrecognized model"."""
+    failed = tmp_path / "failed"
+    (failed / "checkpoints" / "update-0000002").mkdir(parents=True)
+    (failed / ".lock").write_text("")
+    for load in (lambda: run_infra.load_tokenizer(str(failed)), lambda: run_infra.load_policy(str(failed), None),
+                 lambda: run_infra.load_reward_model(str(failed), None)):
+        with pytest.raises(FileNotFoundError, match=rf"model path {failed} holds no model \(no \w+.json; it holds "
+                                                    r"\.lock, checkpoints\): a failed or unfinished run\? Its "
+                                                    r"checkpoints/ can be finished with the same command and --resume"):
+            load()
+    (failed / "checkpoints" / "update-0000002").rmdir()
+    (failed / "checkpoints").rmdir()
+    with pytest.raises(FileNotFoundError, match=r"it holds \.lock\): a failed or unfinished run\?$"):
+        run_infra.check_model_path(str(failed))
+    run_infra.check_model_path(save_tiny(tmp_path / "model", "causal"))  # a saved model passes
+
+
+def test_a_run_without_resume_leaves_an_earlier_run_as_it_was(tmp_path, monkeypatch):
+    """Case 1 of the lost-run reports: a run without --resume into an --output_dir that holds an older
+    run's checkpoint (which would sort as newest, prune the new run's checkpoints and be what a later
+    --resume continues), or under a --run_name whose runs/ folder holds logs (which it would append
+    to), stops before it writes anything; the earlier run's checkpoint and logs stay byte for byte."""
+    monkeypatch.chdir(tmp_path)
+    checkpoint = tmp_path / "out" / "checkpoints" / "update-0000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.pt").write_bytes(b"the old run's weights")
+    logs = tmp_path / "runs" / "old"
+    logs.mkdir(parents=True)
+    (logs / "metrics.jsonl").write_text('{"step": 64}\n')
+
+    def start(**changes):
+        args = sft.Args(**{"output_dir": str(tmp_path / "out"), "world_size": 1, **changes})
+        run_in_process(lambda a: run_infra.start_run(a, {"stage": "sft"}), args, tmp_path)
+
+    with pytest.raises(FileExistsError, match=rf"--output_dir {tmp_path}/out holds checkpoints of an earlier run "
+                                              rf"\(newest: update-0000004\), and --resume was not given. --resume "
+                                              rf"continues that run; to start over, delete {tmp_path}/out/checkpoints"):
+        start()
+    with pytest.raises(FileExistsError, match=r"--run_name old: runs/old already holds a run's logs, which this run "
+                                              r"would append to. Choose another --run_name, or delete runs/old"):
+        start(output_dir=str(tmp_path / "new"), run_name="old")
+    assert (checkpoint / "state.pt").read_bytes() == b"the old run's weights"
+    assert os.listdir(checkpoint.parent) == ["update-0000004"] and os.listdir(logs) == ["metrics.jsonl"]
+    assert (logs / "metrics.jsonl").read_text() == '{"step": 64}\n'
+    start(output_dir=str(tmp_path / "new"), run_name="fresh")  # a new folder and a new name start
+
+
 def test_an_output_folder_in_use_is_refused_and_no_lock_outlives_its_run(tmp_path):
     """A second run into a folder a running one holds is refused, naming that run's pid; once that
     process dies (here: SIGKILL, no clean-up at all) the folder is free again."""
