@@ -107,6 +107,10 @@ class Args:
     """replace an existing `output_dir` (the new one is built aside first)"""
     num_proc: int = 1
     """worker processes for tokenization (the output does not depend on it)"""
+    strict_data: bool = False
+    """refuse, instead of warning, data that passes the row checks but would mislead: SFT ids shared
+    between splits or repeated in one, comparisons whose two summaries are the same text, and the same
+    comparison in the preference train and validation splits"""
     push_to_hub: bool = False
     """also upload both datasets, the plots and this script to the hub (needs a login)"""
     hf_entity: Optional[str] = None
@@ -288,6 +292,15 @@ def load_raw(source: str, splits: tuple, hub_config: Optional[str] = None) -> di
     if missing:
         raise DataError(f"{source}: no file given for split(s) {missing}")
     return {split: read_rows(os.path.expanduser(files[split])) for split in splits}
+
+
+def require_rows(raw: dict) -> dict:
+    """`raw` (split -> RawSplit), refused where a split has no rows: an empty file would otherwise
+    surface later as a `datasets` schema error that names no file."""
+    for split, rows in raw.items():
+        if not rows.rows:
+            raise DataError(f"{rows.source}: no rows (the {split} split is empty)")
+    return raw
 
 
 def _get(row: dict, column: str):
@@ -567,8 +580,8 @@ def process_split(raw: RawSplit, job: _RowJob, num_proc: int, description: str) 
 
 
 def build_datasets(args: Args, tokenizer) -> tuple:
-    raw_sft = load_raw(args.sft_dataset, SFT_SPLITS)
-    raw_pref = load_raw(args.preference_dataset, PREFERENCE_SOURCE_SPLITS, args.preference_config)
+    raw_sft = require_rows(load_raw(args.sft_dataset, SFT_SPLITS))
+    raw_pref = require_rows(load_raw(args.preference_dataset, PREFERENCE_SOURCE_SPLITS, args.preference_config))
     sft_rows = {split: process_split(raw, _RowJob("sft", tokenizer, args), args.num_proc, f"sft {split}")
                 for split, raw in raw_sft.items()}
     pref_rows = {split: process_split(raw, _RowJob("preference", tokenizer, args), args.num_proc,
@@ -581,6 +594,43 @@ def build_datasets(args: Args, tokenizer) -> tuple:
     sft = DatasetDict({s: Dataset.from_list(rows, features=SFT_FEATURES) for s, rows in sft_rows.items()})
     pref = DatasetDict({s: Dataset.from_list(rows, features=PREFERENCE_FEATURES) for s, rows in pref_rows.items()})
     return sft, pref
+
+
+def data_issues(sft: DatasetDict, pref: DatasetDict) -> dict:
+    """What passes the row checks but would mislead a later stage, as counts (0: none): an SFT id in
+    two splits (a validation post seen in training inflates validation ROUGE), an SFT id repeated in
+    one split, a comparison whose chosen and rejected summaries are the same text (the reward model
+    cannot rank it, and it counts as wrong in accuracy), and the same comparison (query and the two
+    summaries, in either order) in the preference train split and a validation split."""
+    issues = {}
+    ids = {split: ds["id"] for split, ds in sft.items()}
+    for a, b in itertools.combinations(ids, 2):
+        issues[f"sft ids in both {a} and {b}"] = len(set(ids[a]) & set(ids[b]))
+    for split, split_ids in ids.items():
+        issues[f"sft ids repeated within {split}"] = len(split_ids) - len(set(split_ids))
+
+    def comparisons(ds) -> set:
+        return {(q, frozenset((c, r))) for q, c, r in zip(ds["query"], ds["chosen"], ds["rejected"])}
+
+    for split, ds in pref.items():
+        issues[f"preference {split} pairs with identical chosen and rejected"] = sum(
+            c == r for c, r in zip(ds["chosen"], ds["rejected"]))
+    train = comparisons(pref["train"])
+    for split in (s for s in pref if s != "train"):
+        issues[f"preference comparisons in both train and {split}"] = len(train & comparisons(pref[split]))
+    return issues
+
+
+def report_data_issues(issues: dict, strict: bool, console: Console) -> None:
+    """Warns with the count of each issue found, or with `strict` refuses the data."""
+    found = {name: count for name, count in issues.items() if count}
+    if not found:
+        return
+    listing = "; ".join(f"{name}: {count}" for name, count in found.items())
+    if strict:
+        raise DataError(f"--strict_data: {listing}")
+    console.print(f"[bold yellow]WARNING:[/] the data passes the row checks, but {listing} (counts in stats.json "
+                  "under data_issues; --strict_data refuses such data)", highlight=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -727,7 +777,9 @@ def run(args: Args, console: Optional[Console] = None) -> dict:
         raise FileExistsError(f"{output_dir} exists; pass --overwrite to replace it")
     tokenizer = load_tokenizer(args.base_model)
     sft, pref = build_datasets(args, tokenizer)
-    stats = statistics(sft, pref)
+    issues = data_issues(sft, pref)
+    report_data_issues(issues, args.strict_data, console)
+    stats = {**statistics(sft, pref), "data_issues": issues}
     # only what shapes the content, so that reruns anywhere give identical files
     stats["args"] = {k: v for k, v in asdict(args).items()
                      if k in ("base_model", "sft_dataset", "preference_dataset", "tldr_params", "cnndm_params")}

@@ -1,5 +1,6 @@
 import collections
 import contextlib
+import copy
 import dataclasses
 import filecmp
 import io
@@ -226,6 +227,7 @@ def test_visuals_and_stats_are_written(tiny_datasets):
     assert saved["max_lengths"] == stats["max_lengths"]
     assert saved["rows"]["preference/validation_cnndm"] == 40
     assert sum(saved["labels"]["train"]["confidence"].values()) == 300
+    assert saved["data_issues"] and not any(saved["data_issues"].values())  # the synthetic data has none
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,6 +389,58 @@ def test_a_response_longer_than_its_max_length_is_an_error(raw_dir, tokenizer_di
                                            r"\d+ tokens > --cnndm_params.max_rm_query_response_length 300"):
         td.run(args)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_an_empty_split_file_is_named(raw_dir, tokenizer_dir, tmp_path):
+    raw = copy_raw(raw_dir, tmp_path)
+    open(os.path.join(raw, "tldr_sft", "validation.jsonl"), "w").close()
+    with pytest.raises(td.DataError, match=rf"{raw}/tldr_sft/validation.jsonl: no rows \(the validation split is empty\)"):
+        td.run(tiny_dataset_args(raw, tokenizer_dir, str(tmp_path / "out")))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_overlap_duplicates_and_identical_pairs_are_counted_and_refused_on_request(raw_dir, tokenizer_dir, tmp_path):
+    """Data that passes the row checks but misleads: a validation post seen in training (inflates
+    validation ROUGE), a repeated id, a pair of one text twice (counts as wrong in reward-model
+    accuracy), a train comparison again in validation. A warning with the counts, the counts in
+    stats.json; --strict_data refuses."""
+    raw = copy_raw(raw_dir, tmp_path)
+
+    def rows(path):
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def append(path, new_rows):
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in new_rows)
+
+    sft_train = rows(os.path.join(raw, "tldr_sft", "train.jsonl"))
+    append(os.path.join(raw, "tldr_sft", "validation.jsonl"), sft_train[:3])  # 3 ids in train and validation
+    append(os.path.join(raw, "tldr_sft", "train.jsonl"), sft_train[5:7])  # 2 ids twice in train
+    comparisons = rows(os.path.join(raw, "comparisons", "train.jsonl"))
+    same = copy.deepcopy(comparisons[0])
+    same["summaries"][1]["text"] = same["summaries"][0]["text"]
+    append(os.path.join(raw, "comparisons", "train.jsonl"), [same])
+    swapped = copy.deepcopy(comparisons[1])
+    swapped["summaries"].reverse()
+    swapped["choice"] = 1 - swapped["choice"]
+    append(os.path.join(raw, "comparisons", "validation.jsonl"), [comparisons[2], swapped])  # either order
+    console = td.Console(file=io.StringIO(), width=400)
+    stats = td.run(tiny_dataset_args(raw, tokenizer_dir, str(tmp_path / "out")), console)
+    found = {name: count for name, count in stats["data_issues"].items() if count}
+    assert found == {"sft ids in both train and validation": 3, "sft ids repeated within train": 2,
+                     "preference train pairs with identical chosen and rejected": 1,
+                     "preference comparisons in both train and validation": 2}
+    assert ("WARNING: the data passes the row checks, but sft ids in both train and validation: 3; sft ids repeated "
+            "within train: 2; preference train pairs with identical chosen and rejected: 1; preference comparisons "
+            "in both train and validation: 2 (counts in stats.json under data_issues; --strict_data refuses such "
+            "data)") in console.file.getvalue()
+    with open(tmp_path / "out" / "stats.json") as f:
+        assert json.load(f)["data_issues"] == stats["data_issues"]
+    with pytest.raises(td.DataError, match=r"^--strict_data: sft ids in both train and validation: 3; .* "
+                                           r"preference comparisons in both train and validation: 2$"):
+        td.run(tiny_dataset_args(raw, tokenizer_dir, str(tmp_path / "strict"), strict_data=True))
+    assert not os.path.exists(tmp_path / "strict")
 
 
 def test_existing_output_needs_overwrite(raw_dir, tokenizer_dir, tmp_path):
