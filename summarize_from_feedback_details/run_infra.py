@@ -505,8 +505,12 @@ def lock_output_dir(output_dir: str):
     overwrite each other's. The operating system drops the lock when the process ends, however it
     ends, so a crashed run leaves no stale lock behind. (A POSIX lock: a second run started inside
     the same Python process, as the tests do, shares it.)"""
-    os.makedirs(output_dir, exist_ok=True)
-    handle = open(os.path.join(output_dir, ".lock"), "a+")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        handle = open(os.path.join(output_dir, ".lock"), "a+")
+    except OSError as e:  # (a path through a file, a read-only or unwritable place, a full disk)
+        raise OSError(e.errno, f"--output_dir {output_dir} cannot be created or written: {e.strerror} "
+                               f"({e.filename})") from None
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -424,6 +424,13 @@ def test_an_output_folder_in_use_is_refused_and_no_lock_outlives_its_run(tmp_pat
     run_infra.lock_output_dir(str(tmp_path)).close()
 
 
+def test_an_output_dir_that_cannot_be_made_is_named(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(NotADirectoryError, match=rf"--output_dir {tmp_path}/a_file/out cannot be created or written: "
+                                                 rf"Not a directory \({tmp_path}/a_file/out\)"):
+        run_infra.lock_output_dir(str(tmp_path / "a_file" / "out"))
+
+
 def test_settings_that_cannot_work_are_named():
     run_infra.check_settings(sft.Args())
     with pytest.raises(ValueError, match="--response_length must be >= 1, got 0"):
