@@ -442,7 +442,7 @@ def main(args: Args) -> None:
     run.print_batch_arithmetic("pairs", f"{'IPO' if args.ipo else 'DPO'} loss, beta {args.beta}, "
                                         f"label smoothing {args.label_smoothing}")
 
-    tokenizer = load_tokenizer(args.base_model)
+    tokenizer = load_tokenizer(args.base_model, args.label_dataset, args.query_dataset)
     pad_id = tokenizer.pad_token_id
     model = load_policy(args.sft_model_path, tokenizer, **quantization(args, accelerator.device))
     if args.use_peft:  # the reference is the policy with its adapter disabled: no second copy of the weights

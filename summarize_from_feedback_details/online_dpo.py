@@ -571,7 +571,7 @@ def main(args: Args) -> None:
                                f"{'IPO' if args.ipo else 'DPO'} loss, beta {args.beta}, label smoothing "
                                f"{args.label_smoothing}", f"offload {args.offload}")
 
-    tokenizer = load_tokenizer(args.base_model)
+    tokenizer = load_tokenizer(args.base_model, args.query_dataset)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     model, ref_policy, reward_model = load_online_dpo_models(run, tokenizer)
     optimizer = make_optimizer(args, model)

@@ -732,7 +732,7 @@ def main(args: Args) -> None:
                                f"loss normalised per {args.ppo.loss_normalization.replace('_', '-')}",
                                f"offload {args.offload}")
 
-    tokenizer = load_tokenizer(args.base_model)
+    tokenizer = load_tokenizer(args.base_model, args.query_dataset)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     model, ref_policy, reward_model = load_models(run, tokenizer)
     optimizer = make_optimizer(args, model)

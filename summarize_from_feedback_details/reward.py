@@ -472,7 +472,7 @@ def main(args: Args) -> None:
     accelerator, start_update = run.accelerator, run.start_update
     run.print_batch_arithmetic("pairs")
 
-    tokenizer = load_tokenizer(args.base_model)
+    tokenizer = load_tokenizer(args.base_model, args.label_dataset, args.query_dataset)
     pad_id = tokenizer.pad_token_id
     def load_base(**quantized):  # an RM to continue training, or the SFT model under a fresh head
         if args.reward_model_path:

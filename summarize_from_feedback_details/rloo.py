@@ -730,7 +730,7 @@ def main(args: Args) -> None:
     run.print_batch_arithmetic("episodes", f"{queries_per_update} queries x rloo_k {k}", f"algorithm {args.algorithm}",
                                f"offload {args.offload}")
 
-    tokenizer = load_tokenizer(args.base_model)
+    tokenizer = load_tokenizer(args.base_model, args.query_dataset)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     policy, ref_policy, reward_model = load_rloo_models(run, tokenizer)
     optimizer = make_optimizer(args, policy)

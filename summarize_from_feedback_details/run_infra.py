@@ -107,18 +107,53 @@ def check_model_path(path: str, needs: tuple = MODEL_FILES) -> None:
     if not any(os.path.isfile(os.path.join(path, name)) for name in needs):
         held = sorted(os.listdir(path))
         listing = ", ".join(held[:8]) + (" ..." if len(held) > 8 else "") if held else "nothing"
-        resume = " Its checkpoints/ can be finished with the same command and --resume." if "checkpoints" in held else ""
+        resume = (" Its checkpoints/ can be finished with the same command and --resume." if "checkpoints" in held
+                  else "")
         raise FileNotFoundError(f"model path {path} holds no model (no {needs[0]}; it holds {listing}): a failed or "
                                 f"unfinished run?{resume}")
 
 
-def load_tokenizer(name: str):
+# written by tldr_dataset.py into each dataset folder it builds: which tokenizer made its token ids
+TOKENIZER_RECORD = "tokenizer_record.json"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What decides how text becomes ids, hashed: the vocabulary and merges, the added tokens and their
+    ids, the normaliser, pre-tokeniser, post-processor and decoder (not the padding or truncation
+    settings of the moment). Two tokenizers of one size but other vocabularies differ here."""
+    import hashlib
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec = {k: v for k, v in spec.items() if k not in ("padding", "truncation", "added_tokens", "version")}
+    spec["added_tokens"] = sorted((t.content, i) for i, t in tokenizer.added_tokens_decoder.items())
+    spec["special"] = [tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token]
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_dataset_tokenizer(tokenizer, dataset: str) -> None:
+    """Refuses a dataset whose token ids another tokenizer made (its TOKENIZER_RECORD; a dataset
+    without one, such as a hub dataset, is taken as it is)."""
+    path = os.path.join(dataset, TOKENIZER_RECORD)
+    if not (looks_local(dataset) and os.path.isfile(path)):
+        return
+    with open(path) as f:
+        record = json.load(f)
+    if record["fingerprint"] != tokenizer_fingerprint(tokenizer):
+        raise ValueError(f"dataset {dataset} was tokenized with {record['tokenizer']}, whose tokenizer differs from "
+                         f"{tokenizer.name_or_path}'s: its token ids would mean other text to this model. Rebuild it "
+                         f"with tldr_dataset.py --base_model {tokenizer.name_or_path}, or use the models of that "
+                         "tokenizer")
+
+
+def load_tokenizer(name: str, *datasets: str):
     """`name`'s tokenizer, right-padding, with a dedicated pad token that is never EOS (Pythia has
     none: `[PAD]` is added, and id 50277 fits in its 50304-row embedding) and an EOS text that
-    encodes to the EOS id (the datasets append it as text)."""
+    encodes to the EOS id (the datasets append it as text); refused where one of the `datasets`
+    (folders) was tokenized by another tokenizer."""
     check_model_path(name, TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(name, padding_side="right")
-    if tokenizer.pad_token is None:
+    tokenizer.added_pad = tokenizer.pad_token is None  # (the one embedding row a loader may add: load_policy)
+    if tokenizer.added_pad:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     if tokenizer.eos_token is None:
         raise ValueError(f"tokenizer {name} has no EOS token")
@@ -127,6 +162,8 @@ def load_tokenizer(name: str):
                          "dedicated token such as [PAD], or EOS could never be learned")
     if tokenizer.encode(tokenizer.eos_token) != [tokenizer.eos_token_id]:
         raise ValueError(f"tokenizer {name}: EOS text {tokenizer.eos_token!r} does not encode to its id")
+    for dataset in datasets:
+        check_dataset_tokenizer(tokenizer, dataset)
     return tokenizer
 
 
@@ -179,13 +216,40 @@ def checked_load(model_class, path: str, expected: str, new_head: Optional[str] 
     return model
 
 
+def check_model_tokenizer(path: str, tokenizer) -> None:
+    """Refuses a model folder saved with another tokenizer than `tokenizer` (every stage saves its
+    model's tokenizer beside it; a folder without one, or a hub name, is taken as it is)."""
+    if not looks_local(path) or not any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
+        return
+    if os.path.abspath(path) == os.path.abspath(tokenizer.name_or_path):
+        return
+    if tokenizer_fingerprint(load_tokenizer(path)) != tokenizer_fingerprint(tokenizer):
+        raise ValueError(f"{path} was saved with another tokenizer than {tokenizer.name_or_path}'s: it reads token "
+                         "ids as other text. Use models and datasets built on one tokenizer")
+
+
+def fit_embeddings(model, path: str, tokenizer) -> None:
+    """Grows the embedding by the `[PAD]` row load_tokenizer added, and by nothing else: a model with
+    fewer rows than the tokenizer has tokens was built on another tokenizer, and a grown row reads one
+    mean embedding for every id it never saw."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) <= rows:
+        return
+    if not (getattr(tokenizer, "added_pad", False) and len(tokenizer) == rows + 1):
+        raise ValueError(f"{path} has {rows} embedding rows, fewer than the {len(tokenizer)} tokens of "
+                         f"{tokenizer.name_or_path}'s tokenizer: it was built on another tokenizer (only the [PAD] "
+                         "row this project adds is ever added to an embedding)")
+    model.resize_token_embeddings(len(tokenizer))
+
+
 def load_policy(path: str, tokenizer, dtype: torch.dtype = torch.float32, **quantized):
     """A causal LM in `dtype` whatever the checkpoint's (fp32 master weights for the trained policy;
-    mixed precision is accelerate's job); `quantized`: from `quantization`."""
+    mixed precision is accelerate's job); `quantized`: from `quantization`. Refused where it was saved
+    with another tokenizer than `tokenizer`."""
     check_model_path(path)
+    check_model_tokenizer(path, tokenizer)
     model = checked_load(AutoModelForCausalLM, path, "causal LM", dtype=dtype, **quantized)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
+    fit_embeddings(model, path, tokenizer)
     disable_dropout(model)
     return model
 
@@ -195,10 +259,10 @@ def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, 
     """A saved reward model (reward.py), head and normalisation included, in `dtype`; with `new_head`,
     any backbone (an SFT model) under a score head that the caller initialises."""
     check_model_path(path)
+    check_model_tokenizer(path, tokenizer)
     model = checked_load(AutoModelForSequenceClassification, path, "reward model", "score" if new_head else None,
                          num_labels=1, dtype=dtype, **quantized)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
+    fit_embeddings(model, path, tokenizer)
     # HF's pooling reads the rightmost token that is not config.pad_token_id: the EOS
     model.config.pad_token_id = tokenizer.pad_token_id
     disable_dropout(model)

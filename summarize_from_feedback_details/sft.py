@@ -351,7 +351,7 @@ def main(args: Args) -> None:
     run.print_batch_arithmetic("sequences", f"loss over {'response' if args.response_only_loss else 'all non-pad'} "
                                             f"tokens, {args.loss_normalization}-normalised")
 
-    tokenizer = load_tokenizer(args.base_model)
+    tokenizer = load_tokenizer(args.base_model, args.query_dataset)
     pad_id = tokenizer.pad_token_id
     load_base = functools.partial(load_policy, args.base_model, tokenizer)  # (the saved LoRA model merges onto it)
     model = load_base(**quantization(args, accelerator.device))

@@ -12,7 +12,8 @@ The preference data comes from the hub's parquet export of `openai/summarize_fro
 holds a loading script, which `datasets` 4 and later refuse to run. A local source is a folder
 holding `<split>.jsonl` (or `.json` / `.parquet`) per split, a local copy of that parquet export, or
 an explicit list `train=a.jsonl,validation=b.jsonl,...`. Output: `<output_dir>/sft` and
-`<output_dir>/preference` (`save_to_disk`), `<output_dir>/dataset_visuals/*.png` and
+`<output_dir>/preference` (`save_to_disk`; each with `tokenizer_record.json`, which tokenizer made its
+token ids, checked by every stage that reads it), `<output_dir>/dataset_visuals/*.png` and
 `<output_dir>/stats.json`. The output folder appears only once complete. No hub call happens unless
 a source is a hub name or `--push_to_hub` is given.
 """
@@ -40,7 +41,8 @@ from datasets import Dataset, DatasetDict, Features, List, Value, disable_progre
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from summarize_from_feedback_details.run_infra import load_tokenizer, progress  # noqa: E402
+from summarize_from_feedback_details.run_infra import (TOKENIZER_RECORD, load_tokenizer, progress,  # noqa: E402
+                                                       tokenizer_fingerprint)
 
 CNNDM_BATCHES = ("batch0_cnndm", "cnndm0", "cnndm2")
 SFT_SPLITS = ("train", "validation", "test")
@@ -787,8 +789,11 @@ def run(args: Args, console: Optional[Console] = None) -> dict:
     shutil.rmtree(tmp_dir, ignore_errors=True)
     disable_progress_bars()  # saving takes well under a second; our own bars cover the long work
     try:
-        sft.save_to_disk(os.path.join(tmp_dir, "sft"))
-        pref.save_to_disk(os.path.join(tmp_dir, "preference"))
+        record = {"tokenizer": args.base_model, "fingerprint": tokenizer_fingerprint(tokenizer)}
+        for name, dataset in (("sft", sft), ("preference", pref)):
+            dataset.save_to_disk(os.path.join(tmp_dir, name))
+            with open(os.path.join(tmp_dir, name, TOKENIZER_RECORD), "w") as f:  # (every stage checks it)
+                json.dump(record, f, indent=2)
         write_visuals(args, sft, pref, os.path.join(tmp_dir, "dataset_visuals"))
         with open(os.path.join(tmp_dir, "stats.json"), "w") as f:
             json.dump(stats, f, indent=2)

@@ -5,6 +5,7 @@ import ast
 import json
 import os
 import pathlib
+import shutil
 import types
 
 import pytest
@@ -352,6 +353,59 @@ def test_a_model_path_without_the_head_the_stage_needs_is_refused(tmp_path):
                                   num_labels=1).score.weight.shape == (1, 16)
     run_infra.checked_load(AutoModelForSequenceClassification, classifier, "reward model", num_labels=1)
     run_infra.checked_load(AutoModelForCausalLM, causal, "causal LM")
+
+
+def swapped_tokenizer(tokenizer_dir, path) -> str:
+    """Another tokenizer of the same size: `tokenizer_dir`'s with the ids of two tokens swapped."""
+    shutil.copytree(tokenizer_dir, path, ignore=shutil.ignore_patterns("*.safetensors", "config.json",
+                                                                          "generation_config.json"))
+    with open(os.path.join(path, "tokenizer.json")) as f:
+        spec = json.load(f)
+    vocab = spec["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        json.dump(spec, f)
+    return str(path)
+
+
+def test_models_and_datasets_of_another_tokenizer_are_refused(tokenizer_dir, tiny_datasets, tmp_path):
+    """Case 2 of the lost-run reports: a dataset tokenized by another tokenizer (a --base_model whose
+    tokenizer differs from the data's trained and saved a policy that decoded as " h h h"), and a
+    reward model saved with another tokenizer of the same size (PPO trained against it, exit 0), are
+    refused naming both; a model with fewer embedding rows than the tokenizer has tokens is refused
+    rather than grown to fit, except by the one [PAD] row load_tokenizer added."""
+    from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification
+
+    other = swapped_tokenizer(tokenizer_dir, tmp_path / "other")
+    ours = run_infra.load_tokenizer(tokenizer_dir)
+    assert len(run_infra.load_tokenizer(other)) == len(ours)
+    assert run_infra.tokenizer_fingerprint(run_infra.load_tokenizer(other)) != run_infra.tokenizer_fingerprint(ours)
+    data = [os.path.join(tiny_datasets[0], name) for name in ("sft", "preference")]
+    run_infra.load_tokenizer(tokenizer_dir, *data)
+    for dataset in data:
+        with pytest.raises(ValueError, match=rf"dataset {dataset} was tokenized with {tokenizer_dir}, whose tokenizer "
+                                             rf"differs from {other}'s: its token ids would mean other text"):
+            run_infra.load_tokenizer(other, dataset)
+
+    def reward_model(path, rows, tokenizer_from=None):
+        config = GPTNeoXConfig(vocab_size=rows, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=32, num_labels=1, pad_token_id=1)
+        GPTNeoXForSequenceClassification(config).save_pretrained(path)
+        if tokenizer_from:
+            run_infra.load_tokenizer(tokenizer_from).save_pretrained(path)
+        return str(path)
+
+    with pytest.raises(ValueError, match=rf"{tmp_path}/rm_other was saved with another tokenizer than "
+                                         rf"{tokenizer_dir}'s"):
+        run_infra.load_reward_model(reward_model(tmp_path / "rm_other", len(ours), other), ours)
+    assert run_infra.load_reward_model(reward_model(tmp_path / "rm", len(ours), tokenizer_dir), ours) is not None
+    with pytest.raises(ValueError, match=rf"{tmp_path}/rm_512 has 512 embedding rows, fewer than the {len(ours)} "
+                                         rf"tokens of {tokenizer_dir}'s tokenizer: it was built on another tokenizer"):
+        run_infra.load_reward_model(reward_model(tmp_path / "rm_512", 512), ours)
+    ours.added_pad = True  # (as load_tokenizer marks a tokenizer it gave a [PAD]: that one row may be added)
+    grown = run_infra.load_reward_model(reward_model(tmp_path / "rm_short", len(ours) - 1), ours)
+    assert grown.get_input_embeddings().num_embeddings == len(ours)
 
 
 def test_a_folder_a_failed_run_left_is_named_as_holding_no_model(tmp_path):
