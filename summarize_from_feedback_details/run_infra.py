@@ -28,7 +28,10 @@ every stage, and is written once:
 - no silent failure: `checked_load` refuses a checkpoint without the head a stage needs,
   `Run.optimizer_step` / `Run.all_finite` stop a run at a non-finite loss, gradient or rollout
   value (--on_nonfinite), `progress` prints plain lines with an ETA where no terminal shows a bar,
-  `lock_output_dir` keeps a second run out of a folder in use, `run_summary` ends every run;
+  `lock_output_dir` keeps a second run out of a folder in use, `check_fresh_start` keeps a new run
+  out of an earlier run's checkpoints and logs, `check_disk_space` refuses a run whose model the
+  disk cannot hold, a checkpoint or final save that fails names its path and cause and loses
+  nothing (`rescue_model`), `run_summary` ends every run;
 - `parse_args`: the command line, with our names for flags that TRL, CleanRL or the paper's
   scripts name differently.
 
@@ -39,6 +42,7 @@ where the reader sees it.
 import contextlib
 import dataclasses
 import datetime
+import errno
 import fcntl
 import json
 import logging
@@ -50,6 +54,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import typing
 import warnings
@@ -64,6 +69,7 @@ from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, broadcast
 from datasets import load_dataset, load_from_disk
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress as RichProgress
 from rich.progress import TextColumn
 from torch.utils.tensorboard import SummaryWriter
@@ -611,6 +617,75 @@ def check_fresh_start(args) -> None:
                               f"append to. Choose another --run_name, or delete {logs}")
 
 
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+
+
+def disk_needs(module) -> tuple:
+    """(the final save, one checkpoint) of the trained `module` (unwrapped), in bytes, estimated: the
+    saved model's parameters as they are held (PPO saves the policy of its policy + critic; a LoRA
+    run its merged model), and a checkpoint's trained parameters with the optimizer's two fp32
+    moments (AdamW)."""
+    def numel(p) -> int:
+        return getattr(p, "ds_numel", p.numel())  # (ZeRO-3 partitions a parameter; ds_numel is its size)
+
+    saved = getattr(module, "policy", module)
+    final = sum(numel(p) * p.element_size() for p in saved.parameters())
+    trained = [p for p in module.parameters() if p.requires_grad]
+    return final, sum(numel(p) * (p.element_size() + 8) for p in trained)
+
+
+def check_disk_space(output_dir: str, final: int, checkpoint: int, copies: int) -> Optional[str]:
+    """Before update 1: refuses a run whose final model (`final` bytes) the disk of `output_dir` cannot
+    hold, and returns a warning where `copies` checkpoints (--keep_checkpoints and the one being
+    written) of `checkpoint` bytes each would not fit beside it."""
+    free = shutil.disk_usage(output_dir).free
+    if free < final:
+        raise OSError(errno.ENOSPC, f"--output_dir {output_dir}: the trained model needs about {human_bytes(final)} "
+                                    f"at the end of the run, and its disk has {human_bytes(free)} free. Free space "
+                                    "there or choose another --output_dir")
+    if copies and free < final + copies * checkpoint:
+        return (f"{output_dir}'s disk has {human_bytes(free)} free; the model and {copies} checkpoints of about "
+                f"{human_bytes(checkpoint)} (--keep_checkpoints and the one being written) need about "
+                f"{human_bytes(final + copies * checkpoint)}: a checkpoint that does not fit is skipped with a warning "
+                "(the last one written is kept)")
+    return None
+
+
+def write_model(module, state_dict: dict, tokenizer, output_dir: str) -> None:
+    """`module` with `state_dict`, and `tokenizer`, written aside in <output_dir>/.model.partial and
+    moved into `output_dir` once complete: a failed write leaves no half-written model there."""
+    partial = os.path.join(output_dir, ".model.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        tokenizer.save_pretrained(partial)
+        module.save_pretrained(partial, state_dict=state_dict)  # (safetensors)
+        for name in os.listdir(partial):
+            os.replace(os.path.join(partial, name), os.path.join(output_dir, name))
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def rescue_model(module, state_dict: dict, tokenizer, output_dir: str) -> Optional[str]:
+    """Where the trained weights went when the final save to `output_dir` failed: the first of $TMPDIR,
+    /dev/shm and the system temp folder with room for them that takes the write, or None where none
+    could."""
+    needed = sum(t.numel() * t.element_size() for t in state_dict.values())
+    for place in dict.fromkeys(p for p in (os.environ.get("TMPDIR"), "/dev/shm", tempfile.gettempdir()) if p):
+        try:
+            if shutil.disk_usage(place).free < needed:
+                continue
+            folder = tempfile.mkdtemp(prefix=f"rescued_{os.path.basename(os.path.abspath(output_dir))}_", dir=place)
+            write_model(module, state_dict, tokenizer, folder)
+            return folder
+        except (OSError, RuntimeError):
+            continue
+    return None
+
+
 def start_run(args, identity: dict, generates: bool = False) -> "Run":
     """The prologue of every stage, after its batch arithmetic (`args.world_size` and the batch
     fields are set): the Accelerator (CPU processes talk over gloo; a single plain process needs no
@@ -727,6 +802,12 @@ class Run:
             self.print(f"DeepSpeed engine: ZeRO-{model.zero_optimization_stage()}, "
                        f"gradient_clipping {model.gradient_clipping()}, weights {weights}, "
                        f"gradients accumulated in {accumulation}")
+        if self.args.output_dir:
+            final, checkpoint = disk_needs(self.accelerator.unwrap_model(model))
+            warning = check_disk_space(self.args.output_dir, final, checkpoint,
+                                       self.args.keep_checkpoints + 1 if self.args.checkpoint_every else 0)
+            if warning:
+                self.print(f"[bold yellow]WARNING:[/] {escape(warning)}", highlight=False, soft_wrap=True)
         checkpoints = Checkpoints(self.args, self.accelerator, model, optimizer, objects, self.identity)
         if self.resumed:
             checkpoints.load(*self.resumed)
@@ -842,10 +923,28 @@ class Run:
                 state_dict = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
             if load_base is not None:
                 module, state_dict = saved_form(module, state_dict, args.output_dir, load_base, args.use_peft)
-            tokenizer.save_pretrained(args.output_dir)
-            module.save_pretrained(args.output_dir, state_dict=state_dict)  # (safetensors)
+            try:
+                write_model(module, state_dict, tokenizer, args.output_dir)
+            except (OSError, RuntimeError) as e:  # (torch and safetensors report a full disk as RuntimeError)
+                self.save_failed(module, state_dict, tokenizer, e)
             if args.push_to_hub:
                 push_to_hub(args, module, tokenizer, state_dict)
+
+    def save_failed(self, module, state_dict: dict, tokenizer, error: Exception) -> None:
+        """The final save failed: the trained weights exist only in memory, so they go to another disk
+        (`rescue_model`) before the run ends with an error that says where they are."""
+        output_dir = self.args.output_dir
+        cause = f"{type(error).__name__}: {error}; {human_bytes(shutil.disk_usage(output_dir).free)} free there"
+        rescued = rescue_model(module, state_dict, tokenizer, output_dir)
+        newest = self.checkpoints.newest() if self.checkpoints else None
+        if rescued:
+            memory = " (memory-backed: move it before a reboot)" if rescued.startswith("/dev/shm") else ""
+            where = f"The trained model was written to {rescued} instead{memory}: move its files into {output_dir}"
+        else:
+            where = ("It could not be written anywhere else either: "
+                     + (f"{newest}, the last checkpoint, is kept; once there is room, the same command with --resume "
+                        "continues from it" if newest else "there is no checkpoint to continue from"))
+        raise RuntimeError(f"the final save to {output_dir} failed ({cause}). {where}") from error
 
     def finish(self, logger) -> None:
         """Closes the logs, ends the processes and prints where everything went."""
@@ -1217,10 +1316,16 @@ class Checkpoints:
         self.position = (update, run_name, logger, records, logger_state)
         self.position_rng = rng_state()
         stop = self.stop_asked()
-        if stop or (self.every and update % self.every == 0):
-            self.save(update, run_name, logger, records)
         if stop:
+            self.save(update, run_name, logger, records)  # (one that fails ends the run with its cause)
             self.exit_after_stop(update, logger)
+        if self.every and update % self.every == 0:
+            try:
+                self.save(update, run_name, logger, records)
+            except CheckpointWriteError as e:  # the run goes on; its final save has its own rescue
+                if self.accelerator.is_main_process:
+                    Console(soft_wrap=True).print(f"[bold yellow]WARNING:[/] {escape(str(e))}; the run goes on",
+                                                  highlight=False)
 
     def stop_if_asked(self) -> None:
         """Between two batches of an evaluation after training: after a stop signal, a checkpoint
@@ -1242,15 +1347,9 @@ class Checkpoints:
         logger.close()
         raise SystemExit(CHECKPOINT_EXIT_CODE)
 
-    def save(self, update: int, run_name: str, logger, records=None, logger_state: Optional[dict] = None) -> None:
-        """`logger_state`: where the logs stood at `update`, if they have moved on since (evaluations)."""
+    def write(self, partial: str, update: int, run_name: str, logger_state: Optional[dict], records) -> None:
+        """This process's part of a checkpoint, into the folder `partial`."""
         main = self.accelerator.is_main_process
-        final = os.path.join(self.folder, f"update-{update:07d}")
-        partial = os.path.join(self.folder, f".update-{update:07d}.partial")
-        if main:
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-        self.accelerator.wait_for_everyone()
         if self.deepspeed:
             self.accelerator.save_state(partial)
         else:
@@ -1267,8 +1366,35 @@ class Checkpoints:
             with open(os.path.join(partial, "trainer_state.json"), "w") as f:
                 json.dump({"identity": self.identity, "settings": self.settings, "update": update, "run_name": run_name,
                            "world_size": self.accelerator.num_processes, "deepspeed": self.deepspeed,
-                           "logger": logger_state or logger.state(), "records": records}, f)
+                           "logger": logger_state, "records": records}, f)
+
+    def save(self, update: int, run_name: str, logger, records=None, logger_state: Optional[dict] = None) -> None:
+        """`logger_state`: where the logs stood at `update`, if they have moved on since (evaluations)."""
+        main = self.accelerator.is_main_process
+        final = os.path.join(self.folder, f"update-{update:07d}")
+        partial = os.path.join(self.folder, f".update-{update:07d}.partial")
+        error = None
+        if main:
+            shutil.rmtree(partial, ignore_errors=True)
+            try:
+                os.makedirs(partial)
+            except OSError as e:
+                error = e
         self.accelerator.wait_for_everyone()
+        try:
+            if error is None:
+                self.write(partial, update, run_name, logger_state or (logger.state() if main else None), records)
+        except (OSError, RuntimeError) as e:  # (torch reports a full disk as RuntimeError "unexpected pos")
+            error = e
+        failed = self.accelerator.reduce(torch.tensor(float(error is not None), device=self.accelerator.device),
+                                         "sum")
+        if failed.item() > 0:  # (the reduce is also the barrier: every rank has written, or failed)
+            if main:
+                shutil.rmtree(partial, ignore_errors=True)
+            cause = f"{type(error).__name__}: {error}" if error else "a write failed on another process"
+            raise CheckpointWriteError(f"checkpoint {final} could not be written ({cause}; "
+                                       f"{human_bytes(shutil.disk_usage(self.folder).free)} free on its disk). "
+                                       f"The last checkpoint, {self.newest() or 'none'}, is kept")
         if main:
             shutil.rmtree(final, ignore_errors=True)  # (the same update saved again)
             os.replace(partial, final)
@@ -1276,6 +1402,10 @@ class Checkpoints:
             for name in names[:-self.keep]:
                 shutil.rmtree(os.path.join(self.folder, name))
         self.accelerator.wait_for_everyone()
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (its partial folder removed, the last one kept)."""
 
 
 class PhaseTimer:

@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -307,6 +308,105 @@ def test_checkpoints_are_kept_and_bad_ones_refused(tiny_datasets, tokenizer_dir,
     with pytest.raises(ValueError, match="--resume and --checkpoint_every keep checkpoints in <output_dir>"):
         run_in_process(sft.main, sft.Args(base_model=tokenizer_dir, query_dataset=os.path.join(tiny_datasets[0], "sft"),
                                           output_dir="", resume=True), str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tiny_datasets, tokenizer_dir, tmp_path_factory):
+    """The run the full-disk tests repeat (3 updates), on a disk with room: its saved weights."""
+    workdir = str(tmp_path_factory.mktemp("roomy"))
+    return sft_in_process(tiny_datasets, tokenizer_dir, workdir, "roomy", **FULL_DISK_RUN)[1]
+
+
+FULL_DISK_RUN = dict(total_episodes=24, local_micro_batch_size=4, gradient_accumulation_steps=2, checkpoint_every=1)
+
+
+def assert_nothing_lost(error, out, rescue, checkpointed_run):
+    """A run whose second checkpoint and final save failed: the first checkpoint kept whole and
+    resumable, no partial folder left, and the rescued model the very weights a run with room saved."""
+    message = str(error.value)
+    assert message.startswith(f"the final save to {out} failed (") and f"The trained model was written to {rescue}/rescued_" \
+        in message and message.endswith(f": move its files into {out}")
+    assert os.listdir(os.path.join(out, "checkpoints")) == ["update-0000001"]
+    assert not [n for n in os.listdir(out) if "partial" in n]
+    assert run_infra.find_checkpoint(out, {"stage": "sft"}, 1, False)[1]["update"] == 1
+    (rescued,) = os.listdir(rescue)
+    saved = load_file(os.path.join(rescue, rescued, "model.safetensors"))
+    assert saved.keys() == checkpointed_run.keys() and all(torch.equal(saved[k], checkpointed_run[k]) for k in saved)
+    assert os.path.isfile(os.path.join(rescue, rescued, "tokenizer.json"))
+
+
+def test_a_failed_checkpoint_and_final_save_lose_nothing(tiny_datasets, tokenizer_dir, tmp_path, monkeypatch, capsys,
+                                                         checkpointed_run):
+    """Case 4 of the lost-run reports, the writes failing as a full disk fails them (torch's
+    "unexpected pos" for the checkpoints after the first, ENOSPC for the final save): a checkpoint's failure
+    is a warning naming its path and cause, the run goes on, and the final save's failure puts the
+    trained weights on another disk ($TMPDIR here) and ends the run saying where."""
+    import errno
+
+    writes, original_write, original_model = [], run_infra.Checkpoints.write, run_infra.write_model
+
+    def checkpoint_write(self, partial, *rest):
+        writes.append(partial)
+        if len(writes) >= 2:  # (a full disk stays full)
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+        return original_write(self, partial, *rest)
+
+    def model_write(module, state_dict, tokenizer, output_dir):
+        if output_dir == out:
+            raise OSError(errno.ENOSPC, "No space left on device", output_dir)
+        return original_model(module, state_dict, tokenizer, output_dir)
+
+    out, rescue = str(tmp_path / "full"), tmp_path / "rescue"
+    rescue.mkdir()
+    monkeypatch.setenv("TMPDIR", str(rescue))
+    monkeypatch.setattr(run_infra.Checkpoints, "write", checkpoint_write)
+    monkeypatch.setattr(run_infra, "write_model", model_write)
+    with pytest.raises(RuntimeError) as error:
+        sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "full", **FULL_DISK_RUN)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert (f"WARNING: checkpoint {out}/checkpoints/update-0000002 could not be written (RuntimeError: [enforce fail "
+            "at inline_container.cc:664] . unexpected pos 64 vs 0;") in printed
+    assert f"The last checkpoint, {out}/checkpoints/update-0000001, is kept; the run goes on" in printed
+    assert "(OSError: [Errno 28] No space left on device" in str(error.value)
+    assert_nothing_lost(error, out, rescue, checkpointed_run)
+
+
+def test_a_really_full_disk_loses_nothing(tiny_datasets, tokenizer_dir, tmp_path, monkeypatch, capsys,
+                                          checkpointed_run):
+    """The same on a real full disk: --output_dir on a 3.5 MiB tmpfs that holds the model (0.9 MiB)
+    and one checkpoint (2.7 MiB) but not two, nor the model beside one. The start warns; the second
+    checkpoint fails and is skipped; the final save goes to $TMPDIR. (Mounting needs root.)"""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3584k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        out, rescue = str(disk / "out"), tmp_path / "rescue"
+        rescue.mkdir()
+        monkeypatch.setenv("TMPDIR", str(rescue))
+        with pytest.raises(RuntimeError) as error:
+            sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "full", output_dir=out, **FULL_DISK_RUN)
+        printed = " ".join(capsys.readouterr().out.split())
+        assert re.search(rf"WARNING: {out}'s disk has 3.\d MiB free; the model and 2 checkpoints of about 2.\d MiB", printed)
+        assert f"WARNING: checkpoint {out}/checkpoints/update-0000002 could not be written (" in printed
+        assert_nothing_lost(error, out, rescue, checkpointed_run)
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # (the failed run still holds its .lock open)
+
+
+def test_a_disk_that_cannot_hold_the_model_is_refused_before_training(tmp_path):
+    module = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                              num_attention_heads=2, intermediate_size=32))
+    numel = sum(p.numel() for p in module.parameters())
+    assert run_infra.disk_needs(module) == (numel * 4, numel * 12)  # fp32 weights; + AdamW's two fp32 moments
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(OSError, match=rf"--output_dir {tmp_path}: the trained model needs about .* at the end of the "
+                                      r"run, and its disk has .* free. Free space there or choose another --output_dir"):
+        run_infra.check_disk_space(str(tmp_path), free + 2 ** 30, 0, 0)
+    assert run_infra.check_disk_space(str(tmp_path), 1, free, 0) is None  # no checkpoints asked for
+    assert "a checkpoint that does not fit is skipped with a warning" in run_infra.check_disk_space(
+        str(tmp_path), 1, free, 2)
+    assert [run_infra.human_bytes(b) for b in (512, 3 * 2 ** 19, 5 * 2 ** 30)] == ["512 B", "1.5 MiB", "5.0 GiB"]
 
 
 def read_metrics(workdir, name) -> list:
