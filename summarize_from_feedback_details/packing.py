@@ -5,18 +5,17 @@ goes through the model as ONE row of its real tokens, each sequence's positions 
 (the padded forwards' `cumsum - 1` picked at the real tokens). Embeddings, layer norms, every
 linear layer, the MLPs and the heads then run on real tokens only, and the outputs come back in
 the padded layout (zeros at padding) for the stage's own masks. Attention must not mix the
-sequences of the packed row:
-- flash attention (`attn_implementation="flash_attention_2"` and later) takes the packed row as
-  is: transformers reads `cu_seq_lens_*` / `max_length_*` and runs the varlen kernel;
-- sdpa: transformers' sdpa attention is registered over by `sdpa_or_packed`, which is that same
-  function for every call without `cu_seq_lens_q` (generation, any padded forward) and, for a packed
-  call, `padded_sdpa_for_packed`: each sequence moves to its own right-padded row, plain causal SDPA
-  runs there (exact: a real token only sees earlier positions of its own row, all real) and the
-  outputs move back. Attention then costs what the padded batch's did; everything else runs on real
-  tokens only. The choice rides on the call's arguments, so gradient checkpointing's recomputation
-  takes the same path. (A packed call hands the model a 1x1x1x1 mask, which transformers passes
-  through as "prepared": it would otherwise build a tokens x tokens block-diagonal mask.)
-Other attention implementations (eager) cannot take packed rows: `--no_packing`.
+sequences of the packed row: transformers' sdpa attention is registered over by `sdpa_or_packed`,
+which is that same function for every call without `cu_seq_lens_q` (generation, any padded
+forward) and, for a packed call, `padded_sdpa_for_packed`: each sequence moves to its own
+right-padded row, plain causal SDPA runs there (exact: a real token only sees earlier positions of
+its own row, all real) and the outputs move back. Attention then costs what the padded batch's did;
+everything else runs on real tokens only. The choice rides on the call's arguments, so gradient
+checkpointing's recomputation takes the same path. (A packed call hands the model a 1x1x1x1 mask,
+which transformers passes through as "prepared": it would otherwise build a tokens x tokens
+block-diagonal mask.) Other attention implementations cannot take packed rows: `--no_packing`.
+(Flash attention's varlen kernel could take the packed row as it is, but every stage loads its
+models with sdpa: a branch for it would be code that no run reaches.)
 The call goes through the model's own forward (and so through DDP, DeepSpeed, peft and accelerate's
 autocast exactly as the padded call): logits come from `logits_to_keep` given the packed indices,
 per-position scores of a sequence-classification model from a hook on its `score` head.
@@ -29,8 +28,9 @@ forwards unchanged, for comparisons and for models whose attention cannot take p
 
 `--compile_train` (`compile_for_training`): the packed forwards of a trained model under
 torch.compile with dynamic shapes (a packed row's length changes every batch), backward included;
-any error of a first compiled call gives it up for the run: one warning with the compiler's own
-message, dynamo reset, eager from then on (the compiled decode's rule).
+an error of any compiled call (a first compile, or a recompile for a new shape or after a reset)
+gives it up for the run: one warning with the compiler's own message, dynamo reset, eager from then
+on (the compiled decode's rule).
 """
 
 import contextlib
@@ -39,9 +39,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-
-VARLEN = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
-
 
 def padded_sdpa_for_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                            cu_seq_lens_q=None, max_length_q=None, **kwargs):
@@ -113,17 +110,15 @@ class Packed:
     """The packing of a padded batch: where each real token sits, and the arguments of the packed call."""
 
     def __init__(self, attention_mask: torch.Tensor, position_ids: torch.Tensor, attention: str):
-        if attention != "sdpa" and attention not in VARLEN:
-            raise ValueError(f"--packing needs sdpa or flash attention, not {attention!r}: run with --no_packing")
+        if attention != "sdpa":
+            raise ValueError(f"--packing needs sdpa attention, not {attention!r}: run with --no_packing")
         self.rows, self.columns = attention_mask.nonzero(as_tuple=True)
         lengths = attention_mask.sum(1)
         cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).int()
-        longest = int(lengths.max())
+        # (attention_mask: a placeholder that nothing reads; sdpa_or_packed reads cu_seq_lens_q)
         self.kwargs = dict(position_ids=position_ids[self.rows, self.columns][None], cu_seq_lens_q=cu_seq_lens,
-                           cu_seq_lens_k=cu_seq_lens, max_length_q=longest, max_length_k=longest, use_cache=False,
-                           return_dict=True)
-        if attention == "sdpa":  # (the placeholder mask: nothing reads it)
-            self.kwargs["attention_mask"] = attention_mask.new_ones(1, 1, 1, 1)
+                           max_length_q=int(lengths.max()), attention_mask=attention_mask.new_ones(1, 1, 1, 1),
+                           use_cache=False, return_dict=True)
         self.index = torch.full(attention_mask.shape, -1, dtype=torch.long, device=attention_mask.device)
         self.index[self.rows, self.columns] = torch.arange(len(self.rows), device=attention_mask.device)
 
@@ -194,8 +189,11 @@ def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 class CompiledForward:
     """A transformer body's forward under torch.compile (dynamic shapes), used by the packed calls.
-    A first call (per grad mode: the no-grad scoring and the training forward are separate graphs)
-    that raises gives it up: one warning with the compiler's message, dynamo reset, eager after."""
+    Every compiled call is guarded, not only the first of each grad mode: dynamo compiles again on
+    a shape or mode its graphs do not cover, or after any `torch._dynamo.reset()` (the compiled
+    decode's fallback makes one), and such a compile can fail as the first did. A call that raises
+    gives the compiled forward up for the run: one warning with the compiler's message, dynamo
+    reset (the compiled decode then compiles again, under its own guard), eager from then on."""
 
     def __init__(self, forward, **compile_options):
         self.eager = forward
@@ -203,17 +201,14 @@ class CompiledForward:
         self.modes_run, self.failure = set(), None
 
     def __call__(self, *args, **kwargs):
-        mode = torch.is_grad_enabled()
-        if self.failure is None and mode in self.modes_run:
-            return self.compiled(*args, **kwargs)
         if self.failure is None:
-            try:  # (the backward graph lowered now too, so that its errors also land here)
+            try:  # (the backward graph lowered with the forward, so that its errors also land here)
                 with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                     output = self.compiled(*args, **kwargs)
             except Exception as error:  # any failure of the compiler or of the toolchain it calls
                 self.give_up(error)
             else:
-                self.modes_run.add(mode)
+                self.modes_run.add(torch.is_grad_enabled())
                 return output
         return self.eager(*args, **kwargs)
 
@@ -223,7 +218,7 @@ class CompiledForward:
         self.failure = f"{type(error).__name__}: {error}".splitlines()[0]
         torch._dynamo.reset()
         warnings.warn(f"--compile_train: the compiled training forward failed ({self.failure}); running eagerly "
-                      f"for the rest of the run")
+                      "for the rest of the run (dynamo reset: a compiled decode compiles again, under its own guard)")
 
 
 def compile_for_training(on: bool, report, *models) -> None:

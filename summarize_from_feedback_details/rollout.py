@@ -44,8 +44,9 @@ class CompiledStep:
     so a run holds one cache; `report` (a print) says how many bytes when it is allocated. With
     `keep_caches=False` they are freed after each `decode_in_batches` (for the PPO epochs' memory;
     the next rollout allocates new ones, and CUDA graphs record again). The weights are read at each
-    call: the optimizer's in-place updates reach the next decode. A batch shape's first compiled
-    decode that raises gives the step up for the run (`give_up`; `decode` then runs eagerly)."""
+    call: the optimizer's in-place updates reach the next decode. Any compiled decode that raises (a
+    batch shape's first, or one compiled again after a dynamo reset) gives the step up for the run
+    (`give_up`; `decode` then runs eagerly)."""
 
     def __init__(self, model, report=print, keep_caches: bool = True, **compile_options):
         self.forward = torch.compile(model, fullgraph=True, dynamic=False, **compile_options)
@@ -81,9 +82,10 @@ class CompiledStep:
             torch.cuda.empty_cache()
 
     def give_up(self, error: Exception) -> None:
-        """After a failed first compiled decode (on a GPU node without the C compiler, Python headers
-        or libcuda that Triton needs at first use, say): dynamo's state reset, the caches freed, and
-        one warning that says why."""
+        """After a failed compiled decode (on a GPU node without the C compiler, Python headers or
+        libcuda that Triton needs at first use, say): dynamo's state reset (a compiled training
+        forward then compiles again, under its own guard), the caches freed, and one warning that
+        says why."""
         while getattr(error, "inner_exception", None) or error.__cause__:  # dynamo wraps the compiler's error
             error = getattr(error, "inner_exception", None) or error.__cause__
         message = str(error).strip().splitlines()
@@ -91,7 +93,8 @@ class CompiledStep:
         self.caches.clear()
         torch._dynamo.reset()
         warnings.warn(f"the compiled decode step failed ({self.failure}); decoding eagerly from here on, which "
-                      "samples the same tokens, more slowly", RuntimeWarning, stacklevel=3)
+                      "samples the same tokens, more slowly (dynamo reset: a compiled training forward compiles "
+                      "again, under its own guard)", RuntimeWarning, stacklevel=3)
 
 
 def decode_path(compile_decode: bool, device: torch.device, autocast: bool) -> tuple:
@@ -120,15 +123,14 @@ def compiled_step_for(model, compile_decode: bool, device: torch.device, autocas
 def decode(model, groups: list, pad_id: int, response_length: int,
            compiled_step: Optional[CompiledStep] = None) -> list:
     """`sample_batch` with `compiled_step`'s compiled forward where it can serve: not under autocast
-    (which needs a growing cache), not after it was given up. The first compiled decode of a batch
-    shape, where compilation happens, falls back to the eager decode on any error (`give_up`)."""
+    (which needs a growing cache), not after it was given up. Every compiled decode falls back to
+    the eager one on any error (`give_up`): compilation happens at a batch shape's first decode and
+    again after any dynamo reset."""
     if compiled_step is None or compiled_step.failure is not None or torch.is_autocast_enabled(
             groups[0].queries.device.type):
         return sample_batch(model, groups, pad_id, response_length)
     shape = (sum(len(g.queries) for g in groups), max(g.queries.shape[1] for g in groups) + response_length)
-    if shape in compiled_step.shapes_run:
-        return sample_batch(model, groups, pad_id, response_length, compiled_step)
-    try:
+    try:  # (every call: a shape that ran compiles again after a dynamo reset, as compile_train's fallback makes)
         results = sample_batch(model, groups, pad_id, response_length, compiled_step)
     except Exception as error:  # any failure of the compiler or of the toolchain it calls
         compiled_step.give_up(error)

@@ -121,11 +121,13 @@ def test_packed_gradients_equal_padded_also_with_gradient_checkpointing():
         assert max((a - b).abs().max() for a, b in zip(grads[key], grads[False, False])) < 1e-5
 
 
-def test_packing_refuses_eager_attention():
+@pytest.mark.parametrize("attention", ["eager", "flash_attention_2"])
+def test_packing_refuses_attention_other_than_sdpa(attention):
+    """Only sdpa is routed for packed rows (flash attention's varlen path is not wired in)."""
     model = causal_lm()
-    model.config._attn_implementation = "eager"
+    model.config._attn_implementation = attention
     packing.enable(True, model)
-    with pytest.raises(ValueError, match="--no_packing"):
+    with pytest.raises(ValueError, match=rf"--packing needs sdpa attention, not '{attention}': run with --no_packing"):
         sft.forward(model, padded_batch(), PAD)
 
 
@@ -209,6 +211,34 @@ def test_compile_error_falls_back_to_eager_with_one_warning():
         second = sft.forward(model, ids, PAD)  # no second warning: given up for the run
     assert "no C compiler here" in body.compiled_forward.failure
     assert torch.equal(first, eager) and torch.equal(second, eager)
+
+
+def test_a_compile_that_fails_after_a_reset_falls_back_too():
+    """Issue 34, case 7: a compile after the first (here after the dynamo reset that the compiled
+    decode's fallback makes; likewise a new shape) that fails falls back to eager with its warning,
+    where it used to stop the run with BackendCompilerFailed."""
+    compiles = []
+
+    def fails_after_the_first(graph_module, example_inputs):
+        compiles.append(1)
+        if len(compiles) > 1:
+            raise RuntimeError("the recompile failed")
+        return graph_module.forward
+
+    model, ids = causal_lm(), padded_batch()
+    packing.enable(True, model)
+    with torch.no_grad():
+        eager = sft.forward(model, ids, PAD)
+    body = packing.transformer_body(model)
+    body.compiled_forward = packing.CompiledForward(body.forward, backend=fails_after_the_first)
+    with torch.no_grad():
+        first = sft.forward(model, ids, PAD)
+        assert body.compiled_forward.modes_run == {False} and body.compiled_forward.failure is None
+        torch._dynamo.reset()
+        with pytest.warns(UserWarning, match=r"the compiled training forward failed \(RuntimeError: the recompile "
+                                             r"failed\); running eagerly .* a compiled decode compiles again"):
+            second = sft.forward(model, ids, PAD)
+    assert len(compiles) == 2 and torch.allclose(first, eager, atol=1e-5) and torch.equal(second, eager)
 
 
 def test_a_backward_compile_error_also_falls_back_before_any_gradient():

@@ -469,6 +469,34 @@ def test_a_compile_that_fails_falls_back_to_the_eager_decode(one_thread):
     torch._dynamo.reset()
 
 
+def test_a_compiled_decode_that_fails_after_a_reset_falls_back_too(one_thread):
+    """Issue 34, case 7: a shape that already decoded compiles again after a dynamo reset (the
+    compiled training forward's fallback makes one); a failure there falls back to the eager decode
+    with its warning, where it used to stop the run."""
+    compiles = []
+
+    def fails_after_the_first(graph_module, example_inputs):
+        compiles.append(1)
+        if len(compiles) > 1:
+            raise RuntimeError("the recompile failed")
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    model = tiny_lm()
+    rows = torch.randint(2, 40, (5, 9), generator=torch.Generator().manual_seed(1))
+    groups = [rollout.SamplingGroup(rows[:3], 0.7, 11), rollout.SamplingGroup(rows[3:], 1.0, 12)]
+    compiled_step = rollout.CompiledStep(model, backend=fails_after_the_first)
+    eager = rollout.decode(model, groups, PAD, 12)
+    first = rollout.decode(model, groups, PAD, 12, compiled_step)
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match=r"compiled decode step failed \(RuntimeError: the recompile failed"):
+        second = rollout.decode(model, groups, PAD, 12, compiled_step)
+    for a, b, c in zip(eager, first, second, strict=True):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+    assert len(compiles) == 2 and compiled_step.failure.startswith("RuntimeError")
+    torch._dynamo.reset()
+
+
 def test_decode_path_says_which_decode_runs_and_why():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert rollout.decode_path(True, cuda, autocast=False)[0]
