@@ -72,6 +72,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress as RichProgress
 from rich.progress import TextColumn
+from safetensors import SafetensorError
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 from transformers.utils import logging as transformers_logging
@@ -617,6 +618,11 @@ def check_fresh_start(args) -> None:
                               f"append to. Choose another --run_name, or delete {logs}")
 
 
+# what a write to a full (or failing) disk raises: OSError from Python's own writes, RuntimeError from
+# torch.save ("unexpected pos", "basic_ios::clear"), SafetensorError from safetensors' serializer
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
 def human_bytes(size: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
@@ -681,7 +687,7 @@ def rescue_model(module, state_dict: dict, tokenizer, output_dir: str) -> Option
             folder = tempfile.mkdtemp(prefix=f"rescued_{os.path.basename(os.path.abspath(output_dir))}_", dir=place)
             write_model(module, state_dict, tokenizer, folder)
             return folder
-        except (OSError, RuntimeError):
+        except WRITE_ERRORS:
             continue
     return None
 
@@ -925,7 +931,7 @@ class Run:
                 module, state_dict = saved_form(module, state_dict, args.output_dir, load_base, args.use_peft)
             try:
                 write_model(module, state_dict, tokenizer, args.output_dir)
-            except (OSError, RuntimeError) as e:  # (torch and safetensors report a full disk as RuntimeError)
+            except WRITE_ERRORS as e:
                 self.save_failed(module, state_dict, tokenizer, e)
             if args.push_to_hub:
                 push_to_hub(args, module, tokenizer, state_dict)
@@ -1384,7 +1390,7 @@ class Checkpoints:
         try:
             if error is None:
                 self.write(partial, update, run_name, logger_state or (logger.state() if main else None), records)
-        except (OSError, RuntimeError) as e:  # (torch reports a full disk as RuntimeError "unexpected pos")
+        except WRITE_ERRORS as e:
             error = e
         failed = self.accelerator.reduce(torch.tensor(float(error is not None), device=self.accelerator.device),
                                          "sum")
