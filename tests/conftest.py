@@ -202,6 +202,20 @@ def command_line_flags(args) -> list:
     return out
 
 
+class BackendFailingAfterFirst:
+    """A torch.compile backend whose first compile succeeds (the graph runs as captured) and every
+    later one raises, as a toolchain that breaks on a recompile would; `compiles` counts them."""
+
+    def __init__(self):
+        self.compiles = 0
+
+    def __call__(self, graph_module, example_inputs):
+        self.compiles += 1
+        if self.compiles > 1:
+            raise RuntimeError("the recompile failed")
+        return graph_module.forward
+
+
 def run_in_process(main, args, workdir) -> None:
     """A stage's `main(args)` in this process, run from `workdir` (its runs/ folder lands there)."""
     cwd = os.getcwd()

@@ -5,6 +5,7 @@ forward that equals the eager one or falls back to it."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import BackendFailingAfterFirst
 from peft import LoraConfig, get_peft_model
 from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
                           GPTNeoXForSequenceClassification)
@@ -217,20 +218,14 @@ def test_a_compile_that_fails_after_a_reset_falls_back_too():
     """Issue 34, case 7: a compile after the first (here after the dynamo reset that the compiled
     decode's fallback makes; likewise a new shape) that fails falls back to eager with its warning,
     where it used to stop the run with BackendCompilerFailed."""
-    compiles = []
-
-    def fails_after_the_first(graph_module, example_inputs):
-        compiles.append(1)
-        if len(compiles) > 1:
-            raise RuntimeError("the recompile failed")
-        return graph_module.forward
+    backend = BackendFailingAfterFirst()
 
     model, ids = causal_lm(), padded_batch()
     packing.enable(True, model)
     with torch.no_grad():
         eager = sft.forward(model, ids, PAD)
     body = packing.transformer_body(model)
-    body.compiled_forward = packing.CompiledForward(body.forward, backend=fails_after_the_first)
+    body.compiled_forward = packing.CompiledForward(body.forward, backend=backend)
     with torch.no_grad():
         first = sft.forward(model, ids, PAD)
         assert body.compiled_forward.modes_run == {False} and body.compiled_forward.failure is None
@@ -238,7 +233,7 @@ def test_a_compile_that_fails_after_a_reset_falls_back_too():
         with pytest.warns(UserWarning, match=r"the compiled training forward failed \(RuntimeError: the recompile "
                                              r"failed\); running eagerly .* a compiled decode compiles again"):
             second = sft.forward(model, ids, PAD)
-    assert len(compiles) == 2 and torch.allclose(first, eager, atol=1e-5) and torch.equal(second, eager)
+    assert backend.compiles == 2 and torch.allclose(first, eager, atol=1e-5) and torch.equal(second, eager)
 
 
 def test_a_backward_compile_error_also_falls_back_before_any_gradient():

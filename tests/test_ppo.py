@@ -19,8 +19,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           GPT2ForSequenceClassification, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
                           GPTNeoXForSequenceClassification)
 
-from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, run_in_process, run_script,
-                      run_until_signalled, signal_on_call, without_rates, side_by_side)
+from conftest import (BackendFailingAfterFirst, accelerate_launcher, command_line_flags, is_wall_clock,
+                      run_in_process, run_script, run_until_signalled, signal_on_call, without_rates, side_by_side)
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import packing, reward, rollout, run_infra, sft
 
@@ -473,19 +473,13 @@ def test_a_compiled_decode_that_fails_after_a_reset_falls_back_too(one_thread):
     """Issue 34, case 7: a shape that already decoded compiles again after a dynamo reset (the
     compiled training forward's fallback makes one); a failure there falls back to the eager decode
     with its warning, where it used to stop the run."""
-    compiles = []
-
-    def fails_after_the_first(graph_module, example_inputs):
-        compiles.append(1)
-        if len(compiles) > 1:
-            raise RuntimeError("the recompile failed")
-        return graph_module.forward
+    backend = BackendFailingAfterFirst()
 
     torch._dynamo.reset()
     model = tiny_lm()
     rows = torch.randint(2, 40, (5, 9), generator=torch.Generator().manual_seed(1))
     groups = [rollout.SamplingGroup(rows[:3], 0.7, 11), rollout.SamplingGroup(rows[3:], 1.0, 12)]
-    compiled_step = rollout.CompiledStep(model, backend=fails_after_the_first)
+    compiled_step = rollout.CompiledStep(model, backend=backend)
     eager = rollout.decode(model, groups, PAD, 12)
     first = rollout.decode(model, groups, PAD, 12, compiled_step)
     torch._dynamo.reset()
@@ -493,7 +487,7 @@ def test_a_compiled_decode_that_fails_after_a_reset_falls_back_too(one_thread):
         second = rollout.decode(model, groups, PAD, 12, compiled_step)
     for a, b, c in zip(eager, first, second, strict=True):
         assert torch.equal(a[0], b[0]) and torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
-    assert len(compiles) == 2 and compiled_step.failure.startswith("RuntimeError")
+    assert backend.compiles == 2 and compiled_step.failure.startswith("RuntimeError")
     torch._dynamo.reset()
 
 
