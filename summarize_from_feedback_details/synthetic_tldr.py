@@ -56,6 +56,10 @@ class Args:
     minimal_pair_fraction: float = 0.5
     """comparison pairs that are minimal pairs (`minimal_pair`: one summary against the same words with
     one fact wrong or left out); the others compare the summaries of two policies (POLICY_WEIGHTS)"""
+    omit_vs_wrong_fraction: float = 0.0
+    """of the minimal pairs whose edited fact is optional, the share that sets the two edits against each
+    other (`minimal_pair`: the fact left out against the fact stated wrong), so that a reward model sees
+    that a wrong fact costs more than a missing one; 0 draws nothing for it (the default data unchanged)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -547,23 +551,30 @@ def wrong_value(rng: random.Random, facts: dict, slot: str):
     return rng.choice(sorted(set(values) - {facts[slot]}))
 
 
-def minimal_pair(rng: random.Random, facts: dict, news: bool = False) -> list:
+def minimal_pair(rng: random.Random, facts: dict, news: bool = False, omit_vs_wrong: float = 0.0) -> list:
     """Two summaries in the same words but for one fact: [(policy, text, note)] of a summary and its
     edit, which states one of its facts wrong (`min_wrong`) or leaves an optional one out
     (`min_omit`). Such pairs isolate what a fact is worth, so a reward model can learn to check a
-    fact against the post and to value stating it, not only the style of whole policies."""
+    fact against the post and to value stating it, not only the style of whole policies. With
+    `omit_vs_wrong` > 0, that share of the pairs whose fact is optional sets the two edits against
+    each other instead: the summary without the fact against the one that states it wrong."""
     include = {slot for slot in OPTIONAL_FACTS if rng.random() < 0.5}
     stated = ["relation", "problem", *sorted(include)]
     slot = rng.choice(stated)
-    omit = slot in include and rng.random() < MINIMAL_OMIT_SHARE
+    # (no draw at 0: the default data stays what it was)
+    contrast = omit_vs_wrong > 0 and slot in include and rng.random() < omit_vs_wrong
+    omit = not contrast and slot in include and rng.random() < MINIMAL_OMIT_SHARE
     edited_facts, edited_include = dict(facts), set(include)
     if omit:
         edited_include.discard(slot)
     else:
         edited_facts[slot] = wrong_value(rng, facts, slot)
     style = rng.random()
-    text = summarize(random.Random(style), facts, include, news)
     edited = summarize(random.Random(style), edited_facts, edited_include, news)
+    if contrast:
+        without = summarize(random.Random(style), facts, include - {slot}, news)
+        return [("min_omit", without, f"without {slot}"), ("min_wrong", edited, f"wrong {slot}")]
+    text = summarize(random.Random(style), facts, include, news)
     return [("min_base", text, None), ("min_omit" if omit else "min_wrong", edited, f"{'without' if omit else 'wrong'} {slot}")]
 
 
@@ -666,7 +677,7 @@ def generate_comparisons(rng: random.Random, split: str, count: int, news: bool,
         reference = reference_summary(rng, facts, news)
         for _ in range(rng.choice([1, 2, 2, 3])):
             if rng.random() < args.minimal_pair_fraction:
-                pair = minimal_pair(rng, facts, news)
+                pair = minimal_pair(rng, facts, news, args.omit_vs_wrong_fraction)
                 rng.shuffle(pair)
             else:
                 pair = []

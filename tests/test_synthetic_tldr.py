@@ -311,3 +311,27 @@ def test_default_task_is_honest(tmp_path):
         assert 0.7 < stats[split]["gold_label_agreement"] <= 0.90
         assert 0.35 < stats[split]["longer_summary_chosen_rate"] <= 0.55
     assert 2.5 < stats["sft_reference_mean_gold_score"]["validation"] < 4.0
+
+
+def test_omit_vs_wrong_pairs_set_a_missing_fact_against_a_wrong_one():
+    """--omit_vs_wrong_fraction: a minimal pair whose edited fact is optional may set its two edits against
+    each other (the fact left out, the fact stated wrong), in the same words otherwise; the gold judge
+    prefers the missing fact. At 0 (the default) there are none."""
+    contrasts = set()
+    for seed in range(300):
+        rng, facts, post = _example(seed)
+        (policy, text, note), (edited_policy, edited, edited_note) = st.minimal_pair(rng, facts, omit_vs_wrong=1.0)
+        if policy == "min_base":  # a required fact: only made wrong
+            assert edited_note.split()[1] not in st.OPTIONAL_FACTS
+            continue
+        slot = note.split()[1]
+        assert (policy, note, edited_policy, edited_note) == ("min_omit", f"without {slot}", "min_wrong", f"wrong {slot}")
+        said, edited_said = st.extract_facts(text), st.extract_facts(edited)
+        assert not said[slot] and edited_said[slot] and slot in st.OPTIONAL_FACTS
+        assert {s for s in st.SCORE_WEIGHTS if said[s] != edited_said[s]} == {slot}
+        assert st.gold_score(post, " " + edited) < st.gold_score(post, " " + text)
+        contrasts.add(slot)
+    assert contrasts == set(st.OPTIONAL_FACTS)
+    for seed in range(50):  # the default: every pair keeps its unedited summary
+        rng, facts, _ = _example(seed)
+        assert st.minimal_pair(rng, facts)[0][0] == "min_base"
