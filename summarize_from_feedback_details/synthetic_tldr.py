@@ -60,6 +60,10 @@ class Args:
     """of the minimal pairs whose edited fact is optional, the share that sets the two edits against each
     other (`minimal_pair`: the fact left out against the fact stated wrong), so that a reward model sees
     that a wrong fact costs more than a missing one; 0 draws nothing for it (the default data unchanged)"""
+    optional_fact_focus: float = 0.0
+    """of the minimal pairs that state an optional fact, the share whose edit is drawn among the optional
+    facts only (the others: among every fact stated), so that a reward model sees more durations,
+    feelings and asks made wrong or left out; 0 draws nothing for it (the default data unchanged)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,17 +555,21 @@ def wrong_value(rng: random.Random, facts: dict, slot: str):
     return rng.choice(sorted(set(values) - {facts[slot]}))
 
 
-def minimal_pair(rng: random.Random, facts: dict, news: bool = False, omit_vs_wrong: float = 0.0) -> list:
+def minimal_pair(rng: random.Random, facts: dict, news: bool = False, omit_vs_wrong: float = 0.0,
+                 optional_focus: float = 0.0) -> list:
     """Two summaries in the same words but for one fact: [(policy, text, note)] of a summary and its
     edit, which states one of its facts wrong (`min_wrong`) or leaves an optional one out
     (`min_omit`). Such pairs isolate what a fact is worth, so a reward model can learn to check a
     fact against the post and to value stating it, not only the style of whole policies. With
     `omit_vs_wrong` > 0, that share of the pairs whose fact is optional sets the two edits against
-    each other instead: the summary without the fact against the one that states it wrong."""
+    each other instead: the summary without the fact against the one that states it wrong. With
+    `optional_focus` > 0, that share of the pairs that state an optional fact edit one of those."""
     include = {slot for slot in OPTIONAL_FACTS if rng.random() < 0.5}
     stated = ["relation", "problem", *sorted(include)]
-    slot = rng.choice(stated)
     # (no draw at 0: the default data stays what it was)
+    focus = optional_focus > 0 and bool(include) and rng.random() < optional_focus
+    slot = rng.choice(sorted(include) if focus else stated)
+    # (no draw at 0 either)
     contrast = omit_vs_wrong > 0 and slot in include and rng.random() < omit_vs_wrong
     omit = not contrast and slot in include and rng.random() < MINIMAL_OMIT_SHARE
     edited_facts, edited_include = dict(facts), set(include)
@@ -677,7 +685,7 @@ def generate_comparisons(rng: random.Random, split: str, count: int, news: bool,
         reference = reference_summary(rng, facts, news)
         for _ in range(rng.choice([1, 2, 2, 3])):
             if rng.random() < args.minimal_pair_fraction:
-                pair = minimal_pair(rng, facts, news, args.omit_vs_wrong_fraction)
+                pair = minimal_pair(rng, facts, news, args.omit_vs_wrong_fraction, args.optional_fact_focus)
                 rng.shuffle(pair)
             else:
                 pair = []

@@ -335,3 +335,21 @@ def test_omit_vs_wrong_pairs_set_a_missing_fact_against_a_wrong_one():
     for seed in range(50):  # the default: every pair keeps its unedited summary
         rng, facts, _ = _example(seed)
         assert st.minimal_pair(rng, facts)[0][0] == "min_base"
+
+
+def test_optional_fact_focus_edits_the_optional_facts():
+    """--optional_fact_focus 1: a minimal pair whose summary states an optional fact edits one of them
+    (wrong or left out); by default the required facts are edited in such pairs too."""
+    def edited_slots(focus):
+        slots = []
+        for seed in range(300):
+            rng, facts, _ = _example(seed)
+            (_, text, _), (_, _, edited_note) = st.minimal_pair(rng, facts, optional_focus=focus)
+            said = st.extract_facts(text)
+            if any(said[s] for s in st.OPTIONAL_FACTS):
+                slots.append(edited_note.split()[1])
+        return slots
+
+    focused, default = edited_slots(1.0), edited_slots(0.0)
+    assert focused and set(focused) == set(st.OPTIONAL_FACTS)
+    assert {"relation", "problem"} <= set(default)
