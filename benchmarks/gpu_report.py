@@ -31,6 +31,7 @@ import csv
 import datetime
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -52,6 +53,11 @@ class Args:
     """run the plumbing on the CPU at tiny shapes, without the GPU tests (what make test checks)"""
     shape: str = "pythia-1b"
     """the benchmark and drift shape (benchmarks/ppo_speed.py's names)"""
+    steps: tuple[str, ...] = ("test_gpu", "speed", "trl", "drift", "dpo_memory")
+    """which steps to run, in the report's order (a lent GPU's minutes are few: run the rest another time)"""
+    step_timeout_s: int = 0
+    """stop a step after this many seconds and report it as timed out (0: no limit), so that one slow step
+    cannot take the whole of a lent GPU's time from the steps after it"""
 
 
 @dataclass
@@ -154,6 +160,24 @@ def machine() -> str:
             f"- commit {commit.strip() or 'unknown'}, {datetime.datetime.now().isoformat(timespec='seconds')}\n")
 
 
+def run_step(step: Step, out: str, timeout_s: int) -> dict:
+    """One step, its whole output into <out>/<step>.log: its status ("ok", "FAILED (exit N)" or "TIMED OUT
+    after N s") and seconds."""
+    start = time.time()
+    with open(os.path.join(out, f"{step.name}.log"), "w") as log:
+        # its own process group: a timeout stops the processes it launched too (they hold the GPU)
+        process = subprocess.Popen(step.command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                   env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline"))
+        try:
+            code = process.wait(timeout=timeout_s or None)
+            status = "ok" if code == 0 else f"FAILED (exit {code})"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            status = f"TIMED OUT after {timeout_s} s"
+    return {"status": status, "seconds": time.time() - start}
+
+
 def main(args: Args) -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("gpu-report runs on a CUDA machine: torch sees no GPU here" +
@@ -161,18 +185,18 @@ def main(args: Args) -> int:
         return 1
     os.makedirs(args.out, exist_ok=True)
     report = [f"# GPU report{' (smoke: tiny shapes on the CPU)' if args.smoke else ''}\n", machine()]
+    unknown = set(args.steps) - {step.name for step in steps(args)}
+    if unknown:
+        print(f"--steps: no step named {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
     failed = 0
-    for step in steps(args):
-        start = time.time()
-        with open(os.path.join(args.out, f"{step.name}.log"), "w") as log:
-            code = subprocess.run(step.command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                  env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")).returncode
-        result = {"status": "ok" if code == 0 else f"FAILED (exit {code})", "seconds": time.time() - start}
-        failed += code != 0
+    for step in [step for step in steps(args) if step.name in args.steps]:
+        result = run_step(step, args.out, args.step_timeout_s)
+        failed += result["status"] != "ok"
         report.append(section(step, result, args.out))
         print(f"{step.name}: {result['status']} in {result['seconds']:.0f} s", flush=True)
-    with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write("\n".join(report))
+        with open(os.path.join(args.out, "report.md"), "w") as f:  # after every step: a killed run keeps the rest
+            f.write("\n".join(report))
     print(f"report: {os.path.join(args.out, 'report.md')}")
     return 1 if failed else 0
 

@@ -54,3 +54,27 @@ def test_smoke_report_on_the_cpu(tmp_path):
     drift = report[report.index("## drift"):]
     # the same tokens at batch 1 and 4 in each dtype the CPU runs, against fp32 at batch 1 (0 there)
     assert "| fp32 | 1 | 32 | 0 | 0 | 0 |" in drift and "| bf16 | 4 | 32 |" in drift
+
+
+def test_a_step_past_its_timeout_is_stopped_with_the_processes_it_launched(tmp_path):
+    """--step_timeout_s: a slow step is reported as timed out, and what it launched (a stage holding the
+    GPU) is stopped with it, so the next step gets the GPU."""
+    pid_file = tmp_path / "child.pid"
+    step = gpu_report.Step("slow", ["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], "a step that hangs")
+    result = gpu_report.run_step(step, str(tmp_path), timeout_s=1)
+    assert result["status"] == "TIMED OUT after 1 s" and result["seconds"] < 10
+    stat = f"/proc/{int(pid_file.read_text())}/stat"
+    # gone, or a zombie waiting for a reaper that a container's init may never be
+    assert not os.path.exists(stat) or open(stat).read().rsplit(")", 1)[1].split()[0] == "Z"
+    assert gpu_report.run_step(gpu_report.Step("quick", ["true"], ""), str(tmp_path), 0)["status"] == "ok"
+    assert gpu_report.run_step(gpu_report.Step("bad", ["false"], ""), str(tmp_path), 0)["status"] == "FAILED (exit 1)"
+
+
+def test_steps_chooses_a_subset_and_refuses_a_name_it_does_not_know(tmp_path, capsys):
+    out = str(tmp_path / "report")
+    assert gpu_report.main(gpu_report.Args(out=out, smoke=True, steps=("drift", "nonesuch"))) == 2
+    assert "--steps: no step named nonesuch" in capsys.readouterr().err
+    assert gpu_report.main(gpu_report.Args(out=out, smoke=True, steps=("drift",))) == 0
+    with open(os.path.join(out, "report.md")) as f:
+        report = f.read()
+    assert "## drift:" in report and "## test_gpu:" not in report and "## speed:" not in report
