@@ -161,7 +161,7 @@ def test_finished_stages_are_skipped_and_force_reruns(checkout):
     (rm,) = stage_calls(first, "reward.py")
     assert flag(rm, "--sft_model_path") == "models/hello_world/sft_all_tokens"
     (ppo,) = stage_calls(first, "ppo_left_padding.py")
-    assert flag(ppo, "--sft_model_path") == "models/hello_world/sft" and flag(ppo, "--total_episodes") == str(30 * 64)
+    assert flag(ppo, "--sft_model_path") == "models/hello_world/sft" and flag(ppo, "--total_episodes") == str(15 * 64)
     (dpo_call,) = stage_calls(first, "dpo.py")  # DPO from the policy's SFT, like PPO
     assert flag(dpo_call, "--sft_model_path") == "models/hello_world/sft"
     assert len(stage_calls(first, "sft.py")) == 2
@@ -243,7 +243,7 @@ def test_algos_chooses_the_methods_after_the_reward_model(checkout):
         assert flag(call, "--output_dir") == f"models/hello_world/{name}" and flag(call, "--run_name") == f"hello_world_{name}"
         assert flag(call, "--sft_model_path") == "models/hello_world/sft"
         assert flag(call, "--reward_model_path") == "models/hello_world/reward_model"
-        assert flag(call, "--total_episodes") == str(30 * 64) and flag(call, "--lr") == "1e-4"
+        assert flag(call, "--total_episodes") == str(15 * 64) and flag(call, "--lr") == "1e-4"
         # 64 episodes per update: queries x k = micro 16 x accumulation 4, generated in one chunk of queries
         assert (flag(call, "--local_micro_batch_size"), flag(call, "--gradient_accumulation_steps")) == ("16", "4")
         assert flag(call, "--local_rollout_forward_batch_size") == str(64 // k)
