@@ -78,7 +78,8 @@ def reward_scores(reward_model, tokenizer, queries: list, responses: list, batch
         width = max(map(len, rows))
         ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])  # right padding
         scores.append(reward_model(input_ids=ids, attention_mask=ids != pad_id).logits[:, 0])
-    return torch.cat(scores).numpy()
+    # a model loaded with plain transformers: the normalisation of an RMSNorm architecture (reward.py)
+    return torch.cat(scores).numpy() + getattr(reward_model.config, "reward_offset", 0.0)
 
 
 def policy_summary(table: pd.DataFrame, reward_model, tokenizer) -> dict:

@@ -16,7 +16,8 @@ The saved model is a plain `AutoModelForSequenceClassification` (num_labels=1, `
 = [PAD]), loadable offline without trust_remote_code:
 
     model = AutoModelForSequenceClassification.from_pretrained("models/reward_model")
-    reward = model(input_ids, attention_mask=input_ids != pad_id).logits[:, 0]   # already normalised
+    reward = model(input_ids, attention_mask=input_ids != pad_id).logits[:, 0]   # normalised (GPT-NeoX)
+    reward += getattr(model.config, "reward_offset", 0.0)                       # any architecture
 
 HF picks the rightmost non-pad token, i.e. the EOS of a right-padded row, so that line gives the
 same reward as training. With LEFT padding it also picks the right token, but plain HF then counts
@@ -24,10 +25,13 @@ positions from the first pad: rotary models (Pythia) are unaffected up to float 
 absolute positions (GPT-2) are not; pass `position_ids = cumsum(mask) - 1` as `get_reward` does.
 
 Where the normalisation lives: HF's `score` layer has no bias, so "reward - mean" cannot be a head
-bias. It is folded, exactly, into the bias of the final layer norm (whose output is what `score`
-reads): adding `-mean * w / |w|^2` to that bias adds `-mean` to `w . h` at every position. No extra
-line is needed when loading, and a critic initialised from this model inherits the shift at every
-token, like the original's `config.bias`.
+bias. Where the final norm has a bias (LayerNorm: GPT-NeoX/Pythia, GPT-2), it is folded, exactly,
+into that bias (whose output is what `score` reads): adding `-mean * w / |w|^2` to it adds `-mean`
+to `w . h` at every position. No extra line is needed when loading, and a critic initialised from
+this model inherits the shift at every token, like the original's `config.bias`. Where it has none
+(RMSNorm: Llama, Qwen, Gemma, OLMo-2, SmolLM), the shift is saved as `config.reward_offset`, which
+every stage adds to the head's output at every position when it loads the model
+(`run_infra.add_reward_offset`); plain transformers gives the raw score, to which a user adds it.
 """
 
 import contextlib
@@ -46,9 +50,10 @@ from torch.utils.data import DataLoader
 
 # (run_infra before transformers' optimization module: it quiets the libraries' import noise)
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.run_infra import (PhaseTimer, enable_gradient_checkpointing, load_reward_model,
-                                                       load_split_dataset, load_tokenizer, make_optimizer, quantization,
-                                                       require_splits, start_run, trainable_parameters, with_lora)
+from summarize_from_feedback_details.run_infra import (PhaseTimer, add_reward_offset, enable_gradient_checkpointing,
+                                                       load_reward_model, load_split_dataset, load_tokenizer,
+                                                       make_optimizer, quantization, require_splits, start_run,
+                                                       trainable_parameters, with_lora)
 from transformers import get_scheduler  # noqa: E402
 
 
@@ -274,13 +279,14 @@ def init_score_head(model, seed: int) -> None:
             model.score.bias.zero_()
 
 
-def final_norm(model) -> torch.nn.Module:
-    """The layer norm whose output the `score` head reads (GPT-NeoX, GPT-2, Llama-like names)."""
+def final_norm_bias(model) -> Optional[torch.nn.Parameter]:
+    """The bias of the norm whose output the `score` head reads (GPT-NeoX, GPT-2, Llama-like names):
+    where the reward normalisation is folded; None where there is none (RMSNorm) or no such norm."""
     for name in ("final_layer_norm", "ln_f", "norm"):
         module = getattr(model.base_model, name, None)
         if module is not None:
-            return module
-    raise ValueError(f"{type(model).__name__}: final layer norm not found, cannot store the reward normalisation")
+            return getattr(module, "bias", None)
+    return None
 
 
 def full_parameters(params: list):
@@ -294,18 +300,18 @@ def full_parameters(params: list):
     return contextlib.nullcontext()
 
 
-def check_normalisation_possible(model) -> None:
-    if getattr(final_norm(model), "bias", None) is None:
-        raise ValueError(f"{type(model).__name__}: the final norm has no bias, so the reward normalisation cannot "
-                         "be built into a standard sequence-classification model")
-
-
 @torch.no_grad()
 def shift_rewards(model, offset: float) -> None:
     """Adds `offset` to the reward at every position, exactly: score(h) = w . h, so moving the final
-    norm's bias by `offset * w / |w|^2` moves w . h by `offset` (HF's score layer has no bias)."""
+    norm's bias by `offset * w / |w|^2` moves w . h by `offset` (HF's score layer has no bias).
+    Without such a bias (RMSNorm), `config.reward_offset` grows by `offset` (run_infra.add_reward_offset
+    adds it to the head's output)."""
+    bias = final_norm_bias(model)
+    if bias is None:
+        model.config.reward_offset = getattr(model.config, "reward_offset", 0.0) + offset
+        add_reward_offset(model)
+        return
     weight = model.score.weight.double()[0]
-    bias = final_norm(model).bias
     bias.add_((offset * weight / weight.dot(weight)).to(bias.dtype))
 
 
@@ -355,7 +361,6 @@ def reward_model_to_train(path: str, tokenizer, head_seed: Optional[int], **quan
     if head_seed is not None:
         with full_parameters([model.score.weight]):
             init_score_head(model, head_seed)
-    check_normalisation_possible(model)
     return model
 
 
@@ -412,7 +417,7 @@ def normalize_rewards(run, model, pad_id: int, reference_loader, logger, global_
     scores = score_references(accelerator, model, pad_id, run.progress(
         reference_loader, len(reference_loader), "rewards of the SFT references", stoppable=True), concatenated=True)
     before = scores["reward"].double()
-    with full_parameters([unwrapped.score.weight, final_norm(unwrapped).bias]):
+    with full_parameters([p for p in (unwrapped.score.weight, final_norm_bias(unwrapped)) if p is not None]):
         shift_rewards(unwrapped, -before.mean().item())
     # the shift is exact in fp32; re-score the first batch to measure it (bf16 weights round it)
     check = score_references(accelerator, model, pad_id, reference_loader, concatenated=False, max_batches=1)

@@ -273,7 +273,24 @@ def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, 
     # HF's pooling reads the rightmost token that is not config.pad_token_id: the EOS
     model.config.pad_token_id = tokenizer.pad_token_id
     disable_dropout(model)
+    add_reward_offset(model)
     return model
+
+
+def add_reward_offset(model) -> None:
+    """Adds `config.reward_offset` (where reward.py stores the reward normalisation of an architecture
+    whose final norm has no bias to fold it into: RMSNorm in Llama, Qwen, Gemma, OLMo-2, SmolLM) to
+    the `score` head's output at every position, by a forward hook on the head: padded, packed and
+    per-position (critic) reads all get it, and the saved weights stay a plain transformers model.
+    The hook reads the config at every call (reward.py sets the offset after training); added once."""
+    if getattr(model, "reward_offset_hook", None) is None:
+        config = model.config
+
+        def shifted(module, args, output):
+            offset = getattr(config, "reward_offset", 0.0)
+            return output + offset if offset else None
+
+        model.reward_offset_hook = model.score.register_forward_hook(shifted)
 
 
 def enable_gradient_checkpointing(model) -> None:

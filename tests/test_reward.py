@@ -704,3 +704,60 @@ def test_zero_episodes_saves_the_untrained_head_normalised(tiny_datasets, models
     with torch.no_grad():
         scores = saved(input_ids=ids, attention_mask=ids != PAD).logits[:, 0]
     assert abs(scores.mean().item()) < 1e-4 and scores.std().item() > 1e-3
+
+
+def llama_style_sft(tokenizer_dir: str, folder: str) -> str:
+    """A randomly initialised Llama-style causal LM (RMSNorm, SwiGLU, grouped-query attention, tied
+    embeddings) with the tiny tokenizer: an SFT checkpoint whose final norm has no bias."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_an_rmsnorm_reward_model_keeps_its_normalisation_in_the_config(tiny_datasets, models_dir, tmp_path):
+    """A final norm without a bias (Llama, Qwen, ...) cannot hold the shift: it is saved as
+    config.reward_offset, the weights stay plain transformers ones, and every stage's scoring (the
+    padded and packed rewards, the critic's values at every position) adds it, so the SFT references
+    score 0 on average, as on GPT-NeoX."""
+    from summarize_from_feedback_details import packing
+    from summarize_from_feedback_details import ppo_left_padding as ppo
+    data_dir, _ = tiny_datasets
+    base = llama_style_sft(sft_model(models_dir), str(tmp_path / "llama_sft"))
+    metrics = run_reward(tiny_datasets, models_dir, str(tmp_path), "llama_rm", base_model=base, sft_model_path=base,
+                         total_episodes=64, local_micro_batch_size=8)
+    folder = str(tmp_path / "llama_rm")
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["LlamaForSequenceClassification"]
+    assert config["reward_offset"] == pytest.approx(metrics["eval/rm/normalization_offset"]) != 0
+    assert metrics["eval/rm/normalization_max_error"] < 1e-5 and metrics["eval/rm/consistency/max_abs_diff"] < 1e-4
+    plain = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    assert set(load_file(os.path.join(folder, "model.safetensors"))) == set(plain.state_dict())  # nothing extra
+
+    references = load_from_disk(os.path.join(data_dir, "sft"))["train"]
+    ids = torch.tensor(references["query_reference_response_token"])
+    left_padded = torch.cat([torch.tensor(references["query_token"]), torch.tensor(references["reference_response_token"])], 1)
+    tokenizer = run_infra.load_tokenizer(folder)
+    loaded = run_infra.load_reward_model(folder, tokenizer).eval()
+    run_infra.add_reward_offset(loaded)  # a second call adds nothing
+    with torch.no_grad():
+        raw = plain(input_ids=ids, attention_mask=ids != PAD).logits[:, 0]
+        rewards = reward.get_reward(loaded, left_padded, PAD)
+        values = ppo.get_values(loaded, left_padded[:16], PAD)
+        plain_values = plain.score(packing.transformer_body(plain)(
+            input_ids=left_padded[:16], attention_mask=left_padded[:16] != PAD,
+            position_ids=((left_padded[:16] != PAD).cumsum(1) - 1).clamp(min=0)).last_hidden_state).squeeze(-1)
+        packing.enable(True, loaded)
+        packed = reward.get_reward(loaded, left_padded, PAD)
+    assert raw.mean().item() == pytest.approx(-config["reward_offset"], abs=1e-4) and raw.std().item() > 1e-3
+    assert abs((raw + config["reward_offset"]).mean().item()) < 1e-4  # what docs/stages.md tells a plain user
+    assert abs(rewards.mean().item()) < 1e-4 and torch.allclose(rewards, raw + config["reward_offset"], atol=1e-4)
+    assert torch.allclose(packed, rewards, atol=1e-5)
+    real = left_padded[:16] != PAD
+    assert torch.allclose(values[real], (plain_values + config["reward_offset"])[real], atol=1e-4)
