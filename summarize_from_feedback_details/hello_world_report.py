@@ -73,7 +73,7 @@ def reward_scores(reward_model, tokenizer, queries: list, responses: list, batch
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     scores = []
     for start in range(0, len(queries), batch_size):
-        rows = [tokenizer(q)["input_ids"] + tokenizer(r)["input_ids"] + [eos_id]
+        rows = [tokenizer(q)["input_ids"] + tokenizer(r, add_special_tokens=False)["input_ids"] + [eos_id]
                 for q, r in zip(queries[start: start + batch_size], responses[start: start + batch_size])]
         width = max(map(len, rows))
         ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])  # right padding
@@ -89,8 +89,8 @@ def policy_summary(table: pd.DataFrame, reward_model, tokenizer) -> dict:
     in tokens (EOS not counted) of a policy's validation table."""
     queries, responses = list(table["query"]), list(table["postprocessed_response"])
     wins = [gold_preference(q, r, ref) for q, r, ref in zip(queries, responses, table["reference_responses"])]
-    lengths = np.array([len(tokenizer(r)["input_ids"]) for r in responses], dtype=float)
-    difference = lengths - [len(tokenizer(r)["input_ids"]) for r in table["reference_responses"]]
+    lengths = np.array([len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses], dtype=float)
+    difference = lengths - [len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in table["reference_responses"]]
     return {
         "win_rate": float(np.mean(wins)),
         "ci": win_rates.wilson_interval(float(np.mean(wins)), len(wins)),

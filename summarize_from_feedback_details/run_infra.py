@@ -153,25 +153,41 @@ def check_dataset_tokenizer(tokenizer, dataset: str) -> None:
 
 
 def load_tokenizer(name: str, *datasets: str):
-    """`name`'s tokenizer, right-padding, with a dedicated pad token that is never EOS (Pythia has
-    none: `[PAD]` is added, and id 50277 fits in its 50304-row embedding) and an EOS text that
-    encodes to the EOS id (the datasets append it as text); refused where one of the `datasets`
-    (folders) was tokenized by another tokenizer."""
+    """`name`'s tokenizer, right-padding, with a dedicated pad token that is never EOS: `[PAD]` is added
+    where there is none (Pythia; id 50277 fits in its 50304-row embedding) or where it is the EOS
+    (Qwen's base models), which padding would otherwise mask out of every loss, so that EOS could never
+    be learned. The EOS text must encode to the EOS id (the datasets append it as text). Encoding may
+    prepend a BOS (Llama 3): queries keep it, responses and the EOS are encoded without it
+    (`add_special_tokens=False`); a tokenizer that adds anything else is refused. Refused too where one
+    of the `datasets` (folders) was tokenized by another tokenizer."""
     check_model_path(name, TOKENIZER_FILES)
     tokenizer = AutoTokenizer.from_pretrained(name, padding_side="right")
-    tokenizer.added_pad = tokenizer.pad_token is None  # (the one embedding row a loader may add: load_policy)
-    if tokenizer.added_pad:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     if tokenizer.eos_token is None:
         raise ValueError(f"tokenizer {name} has no EOS token")
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(f"tokenizer {name}: pad token equals EOS ({tokenizer.eos_token!r}); the pad token must be a "
-                         "dedicated token such as [PAD], or EOS could never be learned")
-    if tokenizer.encode(tokenizer.eos_token) != [tokenizer.eos_token_id]:
+    # (the one embedding row a loader may add: fit_embeddings)
+    tokenizer.added_pad = tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id
+    if tokenizer.added_pad:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    if tokenizer.encode(tokenizer.eos_token, add_special_tokens=False) != [tokenizer.eos_token_id]:
         raise ValueError(f"tokenizer {name}: EOS text {tokenizer.eos_token!r} does not encode to its id")
+    added = special_tokens_added(tokenizer)
+    if added["after"] or added["before"] not in ([], [tokenizer.bos_token_id]):
+        raise ValueError(f"tokenizer {name} adds {tokenizer.convert_ids_to_tokens(added['before'])} before and "
+                         f"{tokenizer.convert_ids_to_tokens(added['after'])} after every text it encodes: only a BOS "
+                         "before it is supported (queries and responses are encoded apart and joined)")
     for dataset in datasets:
         check_dataset_tokenizer(tokenizer, dataset)
     return tokenizer
+
+
+def special_tokens_added(tokenizer) -> dict:
+    """{"before": ids, "after": ids}: what `tokenizer.encode` adds around a text's own tokens."""
+    plain = tokenizer.encode("a b", add_special_tokens=False)
+    framed = tokenizer.encode("a b")
+    start = next((i for i in range(len(framed) - len(plain) + 1) if framed[i: i + len(plain)] == plain), None)
+    if start is None:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path}: its special tokens change how a text itself is encoded")
+    return {"before": framed[:start], "after": framed[start + len(plain):]}
 
 
 def load_split_dataset(name: str, columns: tuple, kind: str = "SFT"):

@@ -471,7 +471,8 @@ def process_sft_row(row: dict, params: TaskParams, tokenizer) -> dict:
     out = process_query(row, params, tokenizer)
     # the upstream summary has no leading space; EOS is appended as text (id of <|endoftext|>)
     reference_response = " " + row["summary"] + tokenizer.eos_token
-    response_tokens = tokenizer.encode(reference_response)
+    # (no BOS: a response follows its query; load_tokenizer)
+    response_tokens = tokenizer.encode(reference_response, add_special_tokens=False)
     out["reference_response"] = reference_response
     out["reference_response_token"] = right_pad(
         response_tokens, params.max_sft_response_length, tokenizer.pad_token_id,
@@ -491,7 +492,7 @@ def process_preference_row(row: dict, params: TaskParams, params_flag: str, toke
     # upstream summaries already start with a space: only EOS is appended
     for name, summary in (("chosen", summaries[choice]), ("rejected", summaries[1 - choice])):
         response = summary["text"] + tokenizer.eos_token
-        tokens = tokenizer.encode(response)
+        tokens = tokenizer.encode(response, add_special_tokens=False)
         out[name] = response
         out[f"{name}_token"] = right_pad(tokens, params.max_rm_response_length, tokenizer.pad_token_id,
                                          f"{name}_token", f"{params_flag}.max_rm_response_length")

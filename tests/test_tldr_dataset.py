@@ -455,14 +455,70 @@ def test_existing_output_needs_overwrite(raw_dir, tokenizer_dir, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
-def test_tokenizer_with_pad_equal_to_eos_is_rejected(tokenizer_dir, tmp_path):
+def word_tokenizer(**special):
+    """A word-level tokenizer of a few words, built here (its vocabulary holds no [PAD])."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<|endoftext|>", "<|begin_of_text|>", "a", "b", "c"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="c"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", **special)
+
+
+def with_template(tokenizer, template: str):
+    """`tokenizer` with a post-processor that frames every encode (`<|begin_of_text|> $A`: Llama 3's BOS)."""
+    from tokenizers import processors
+
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>"]})
+    specials = [(t, tokenizer.convert_tokens_to_ids(t)) for t in ("<|begin_of_text|>", "<|endoftext|>")]
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=template, pair=template + " $B", special_tokens=specials)
+    return tokenizer
+
+
+def test_tokenizer_with_pad_equal_to_eos_gets_a_dedicated_pad_token(tmp_path):
+    """Qwen's base models pad with their EOS: padding would mask every EOS out of the losses, so a
+    [PAD] is added (one new id: the one embedding row a loader may add)."""
+    word_tokenizer(pad_token="<|endoftext|>").save_pretrained(tmp_path / "qwen_style")
+    tokenizer = td.load_tokenizer(str(tmp_path / "qwen_style"))
+    assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == 5 and tokenizer.eos_token_id == 0
+    assert tokenizer.added_pad and len(tokenizer) == 6
+
+
+def test_a_prepended_bos_is_kept_before_the_query_only(raw_dir, tokenizer_dir, tmp_path):
+    """Llama 3's tokenizer prepends a BOS to every encode: the data stage keeps it at the start of
+    each query (and of each re-encoded query+response row) and never puts one before a response or
+    the EOS."""
     from transformers import AutoTokenizer
 
-    bad = AutoTokenizer.from_pretrained(tokenizer_dir)
-    bad.pad_token = bad.eos_token
-    bad.save_pretrained(tmp_path / "bad")
-    with pytest.raises(ValueError, match="equals EOS"):
-        td.load_tokenizer(str(tmp_path / "bad"))
+    bos_first = with_template(AutoTokenizer.from_pretrained(tokenizer_dir), "<|begin_of_text|> $A")
+    bos_first.bos_token = "<|begin_of_text|>"
+    bos_first.save_pretrained(tmp_path / "llama3_style")
+    tokenizer = td.load_tokenizer(str(tmp_path / "llama3_style"))
+    bos, pad = tokenizer.bos_token_id, tokenizer.pad_token_id
+    assert tokenizer.encode("a b")[0] == bos and tokenizer.encode(tokenizer.eos_token, add_special_tokens=False) == [0]
+    td.run(tiny_dataset_args(raw_dir, str(tmp_path / "llama3_style"), str(tmp_path / "out")))
+    sft = load_from_disk(str(tmp_path / "out" / "sft"))["train"].select(range(50))
+    preference = load_from_disk(str(tmp_path / "out" / "preference"))["train"].select(range(50))
+    for row in sft:
+        query = [t for t in row["query_token"] if t != pad]
+        assert query[0] == bos and query.count(bos) == 1 and not row["query"].startswith("<|begin")
+        assert bos not in row["reference_response_token"]
+        assert row["query_reference_response_token"][0] == bos and row["query_reference_response_token"].count(bos) == 1
+    for row in preference:
+        assert bos not in row["chosen_token"] and bos not in row["rejected_token"]
+        assert row["query_chosen_token"].count(bos) == 1 and row["query_chosen_token"][0] == bos
+
+
+@pytest.mark.parametrize("template, added", [("$A <|endoftext|>", r"\[\] before and \['<\|endoftext\|>'\] after"),
+                                              ("<|endoftext|> $A", r"\['<\|endoftext\|>'\] before")])
+def test_a_tokenizer_that_frames_texts_otherwise_is_refused(template, added, tmp_path):
+    """Anything but the tokenizer's BOS before the text (an EOS after it, a token before it that is not
+    its BOS) is refused, naming what it adds."""
+    with_template(word_tokenizer(), template).save_pretrained(tmp_path / "framing")
+    with pytest.raises(ValueError, match=added):
+        td.load_tokenizer(str(tmp_path / "framing"))
 
 
 def test_tokenizer_without_pad_gets_a_dedicated_pad_token(tokenizer_dir, tmp_path):
