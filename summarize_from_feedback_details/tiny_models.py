@@ -7,7 +7,17 @@ plain `AutoTokenizer` / `AutoModelForCausalLM`, no trust_remote_code.
 Like Pythia, `<|endoftext|>` is id 0 and is both BOS and EOS; unlike Pythia (whose pad token the
 stage scripts add as `[PAD]`), the tokenizer ships a dedicated `[PAD]` token, never equal to EOS.
 
+`--arch` builds the same sizes in the architectures researchers start from today, each with its
+tokenizer's conventions (the stages must take tokenizers as they come):
+- `llama` (Llama 3.2): RMSNorm, SwiGLU, grouped-query attention, tied embeddings; the tokenizer
+  prepends `<|begin_of_text|>` to every encode, ends with `<|end_of_text|>` and has no pad token
+  (the stages add `[PAD]`, one embedding row);
+- `qwen3` (Qwen3): llama's layout plus QK-norm; the tokenizer pads with its EOS `<|endoftext|>`
+  and has no BOS, and the embedding has spare rows beyond the vocabulary, as Qwen's has (the
+  `[PAD]` the stages add fits in them).
+
     python -m summarize_from_feedback_details.tiny_models --corpus data/raw/tldr_sft/train.jsonl --output_dir models/tiny
+    python -m summarize_from_feedback_details.tiny_models --arch llama --output_dir models/tiny_llama
 """
 
 import hashlib
@@ -18,19 +28,22 @@ import random
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 import numpy as np
 import torch
 import tyro
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
 from summarize_from_feedback_details.run_infra import progress
 from summarize_from_feedback_details.synthetic_tldr import atomic_output_dir
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "[PAD]"
+LLAMA_BOS, LLAMA_EOS = "<|begin_of_text|>", "<|end_of_text|>"
+# the model folders' prefix per architecture: <prefix>-tiny-<size>
+FOLDER_PREFIX = {"gpt_neox": "pythia", "llama": "llama", "qwen3": "qwen3"}
 
 # name -> (hidden_size, num_hidden_layers, num_attention_heads); intermediate = 4 * hidden (Pythia)
 SIZES = {
@@ -46,7 +59,11 @@ class Args:
     """JSONL rows with `title`, `post` and `summary` (the SFT schema): the text the tokenizer and
     the pretraining see"""
     output_dir: str = "models/tiny"
-    """receives `pythia-tiny-<size>/` folders (model + tokenizer); replaced as a whole"""
+    """receives `pythia-tiny-<size>/` folders (model + tokenizer; `llama-tiny-<size>/`, `qwen3-tiny-<size>/`
+    with --arch); replaced as a whole"""
+    arch: Literal["gpt_neox", "llama", "qwen3"] = "gpt_neox"
+    """the architecture and its tokenizer's conventions (module docstring): gpt_neox (Pythia), llama
+    (Llama 3.2-style), qwen3 (Qwen3-style)"""
     sizes: list = field(default_factory=lambda: list(SIZES))
     """which of the sizes in SIZES to build"""
     vocab_size: int = 1024
@@ -77,17 +94,29 @@ def corpus_texts(path: str) -> list:
     return [f"{r['title']}\n\n{r['post']}" for r in rows] + [" " + r["summary"] for r in rows]
 
 
-def train_tokenizer(texts: list, vocab_size: int) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: list, vocab_size: int, arch: str = "gpt_neox") -> PreTrainedTokenizerFast:
+    """A byte-level BPE of `vocab_size` tokens (special tokens included) with `arch`'s conventions:
+    Pythia's (EOS id 0 also the BOS, a dedicated [PAD] id 1), Llama 3's (BOS id 0 prepended to every
+    encode, EOS id 1, no pad token) or Qwen's (EOS id 0, which is also the pad token; no BOS)."""
+    special = {"gpt_neox": [EOS_TOKEN, PAD_TOKEN], "llama": [LLAMA_BOS, LLAMA_EOS], "qwen3": [EOS_TOKEN]}[arch]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN, PAD_TOKEN],  # ids 0 and 1
+        special_tokens=special,  # ids 0, 1, ...
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    if arch == "llama":
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{LLAMA_BOS} $A", pair=f"{LLAMA_BOS} $A {LLAMA_BOS} $B", special_tokens=[(LLAMA_BOS, 0)])
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=LLAMA_BOS, eos_token=LLAMA_EOS,
+                                       model_max_length=2048)
+    if arch == "qwen3":
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+                                       model_max_length=2048)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=EOS_TOKEN,
@@ -98,8 +127,21 @@ def train_tokenizer(texts: list, vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def model_config(size: str, vocab_size: int, tokenizer: PreTrainedTokenizerFast) -> GPTNeoXConfig:
+def model_config(size: str, vocab_size: int, tokenizer: PreTrainedTokenizerFast, arch: str = "gpt_neox"):
     hidden, layers, heads = SIZES[size]
+    if arch != "gpt_neox":
+        # Llama 3.2's layout: SwiGLU of about 8/3 the width (a multiple of 8), half as many key/value
+        # heads as query heads, tied input and output embeddings; Qwen3 adds RMSNorm on queries and keys
+        layout = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=heads // 2, intermediate_size=8 * math.ceil(hidden * 8 / 3 / 8),
+                      max_position_embeddings=2048, tie_word_embeddings=True, attention_bias=False,
+                      attention_dropout=0.0, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        if arch == "llama":
+            return LlamaConfig(rms_norm_eps=1e-5, mlp_bias=False, **layout)
+        # Qwen's embedding has rows beyond its vocabulary (151,936 for 151,665 tokens): a multiple of 64
+        # past it, so that the [PAD] the stages add needs no new row
+        layout["vocab_size"] = 64 * math.ceil((vocab_size + 1) / 64)
+        return Qwen3Config(rms_norm_eps=1e-6, head_dim=hidden // heads, use_sliding_window=False, **layout)
     return GPTNeoXConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -125,7 +167,7 @@ def pretrain_steps(parameters: int, args: Args) -> int:
     return math.ceil(args.pretrain_tokens_per_parameter * parameters / (args.pretrain_batch_size * args.pretrain_seq_len))
 
 
-def pretrain(model: GPTNeoXForCausalLM, token_stream: np.ndarray, steps: int, args: Args, name: str):
+def pretrain(model, token_stream: np.ndarray, steps: int, args: Args, name: str):
     """Plain causal-LM training on random windows of the concatenated, EOS-separated posts."""
     generator = torch.Generator().manual_seed(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, eps=1e-5, weight_decay=0.01)
@@ -163,7 +205,7 @@ def heldout_windows(path: str, tokenizer: PreTrainedTokenizerFast, seq_len: int,
 
 
 @torch.no_grad()
-def heldout_loss(model: GPTNeoXForCausalLM, windows: torch.Tensor) -> float:
+def heldout_loss(model, windows: torch.Tensor) -> float:
     """Mean causal-LM loss per token on held-out windows: the base model's quality, comparable
     across sizes (the last pretraining batch's loss is one noisy batch)."""
     model.eval()
@@ -176,7 +218,9 @@ def recipe(args: Args) -> dict:
     corpus by its content (a regenerated corpus trains another tokenizer under the same path)."""
     with open(args.corpus, "rb") as f:
         corpus_sha256 = hashlib.sha256(f.read()).hexdigest()
-    return {k: v for k, v in vars(args).items() if k not in ("output_dir", "sizes")} | {"corpus_sha256": corpus_sha256}
+    # (the default arch is left out: folders built before --arch existed keep their recipe)
+    return {k: v for k, v in vars(args).items()
+            if k not in ("output_dir", "sizes") and (k, v) != ("arch", "gpt_neox")} | {"corpus_sha256": corpus_sha256}
 
 
 def built_before(output_dir: str, wanted: dict) -> dict:
@@ -199,16 +243,16 @@ def build(args: Args) -> dict:
     if unknown:
         raise ValueError(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
     wanted = recipe(args)
+    prefix = FOLDER_PREFIX[args.arch]
     kept = {name: info for name, info in built_before(args.output_dir, wanted).items()
-            if name not in {f"pythia-tiny-{size}" for size in args.sizes}}
+            if name not in {f"{prefix}-tiny-{size}" for size in args.sizes}}
     if not kept and os.path.exists(args.output_dir):
         shutil.rmtree(args.output_dir)  # another recipe's models (or none finished): nothing to share with
     os.makedirs(args.output_dir, exist_ok=True)
     random.seed(args.seed)
     np.random.seed(args.seed)
     texts = corpus_texts(args.corpus)
-    tokenizer = train_tokenizer(texts, args.vocab_size)
-    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    tokenizer = train_tokenizer(texts, args.vocab_size, args.arch)
     vocab_size = len(tokenizer)
     token_stream = post_stream(texts, tokenizer)
 
@@ -217,9 +261,9 @@ def build(args: Args) -> dict:
 
     summary = {}
     for size in args.sizes:
-        name = f"pythia-tiny-{size}"
+        name = f"{prefix}-tiny-{size}"
         torch.manual_seed(args.seed)
-        model = GPTNeoXForCausalLM(model_config(size, vocab_size, tokenizer))
+        model = AutoModelForCausalLM.from_config(model_config(size, vocab_size, tokenizer, args.arch))
         parameters = sum(p.numel() for p in model.parameters())
         steps = pretrain_steps(parameters, args)
         start = time.time()
