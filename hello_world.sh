@@ -8,6 +8,10 @@
 #   ./hello_world.sh --force   rerun every stage (otherwise a stage whose output exists is skipped)
 #   ./hello_world.sh --data    only the embedded default's data, base models (every size) and
 #                              tokenized datasets (what the sweeps and the sbatch files' TINY=1 mode read)
+#   ARCH=llama ./hello_world.sh
+#                              the embedded default on a Llama-style model (ARCH=qwen3: Qwen3-style),
+#                              with that family's tokenizer conventions; models/tiny_<arch>/,
+#                              data/tldr_<arch>, NAME hello_world_<arch>
 #   MODEL=EleutherAI/pythia-410m-deduped ./hello_world.sh
 #                              the real pipeline with the paper's hyperparameters on this node's
 #                              GPUs: hub data and model, DeepSpeed ZeRO-2 (deepspeed.yaml), bf16
@@ -28,7 +32,15 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 SEED=${SEED:-1}
-MODEL=${MODEL:-models/tiny/pythia-tiny-m}
+# The embedded default's architecture (tiny_models.py --arch): gpt_neox (Pythia, the paper's), llama
+# (Llama 3.2's layout and tokenizer conventions) or qwen3 (Qwen3's); each in its own folders.
+ARCH=${ARCH:-gpt_neox}
+case $ARCH in
+    gpt_neox) TINY_PREFIX=pythia BASE_MODELS_DIR=models/tiny ;;
+    llama | qwen3) TINY_PREFIX=$ARCH BASE_MODELS_DIR=models/tiny_$ARCH ;;
+    *) echo "ARCH: '$ARCH' is none of: gpt_neox llama qwen3" >&2; exit 2 ;;
+esac
+MODEL=${MODEL:-$BASE_MODELS_DIR/$TINY_PREFIX-tiny-m}
 FORCE=0
 DATA_ONLY=0
 for arg in "$@"; do
@@ -86,7 +98,7 @@ wanted() { [[ " ${algos[*]+"${algos[*]}"} " == *" $1 "* ]]; }
 
 # --- the embedded default ------------------------------------------------------------------------
 RAW_DIR=data/raw                  # synthetic raw files in the upstream schemas
-BASE_MODELS_DIR=models/tiny       # pythia-tiny-{s,m,l}, one shared tokenizer; each size built when first used
+# BASE_MODELS_DIR (above): <prefix>-tiny-{s,m,l}, one shared tokenizer; each size built when first used
 PPO_UPDATES=${PPO_UPDATES:-15}    # of 64 rollouts each (the paper: 1953 of 512; docs/embedded_default.md: why 15)
 DPO_PAIRS=${DPO_PAIRS:-6000}      # DPO's one pass: this many of the preference pairs (the reward model takes all)
 # Lengths of the tiny default (the paper: 512 / 53 / 562 / 169 / 638 and 1919 / 155 / 2021).
@@ -104,8 +116,8 @@ TINY_LENGTHS=(
 if [[ $MODEL == "$BASE_MODELS_DIR"/* ]]; then
     TINY=1
     NUM_PROCESSES=1               # one CPU process
-    NAME=${NAME:-hello_world}     # models/$NAME/<stage>, runs/${NAME}_<stage>
-    DATASET_DIR=data/tldr         # tokenized sft/ and preference/ datasets
+    NAME=${NAME:-hello_world$([[ $ARCH == gpt_neox ]] || echo "_$ARCH")}  # models/$NAME/<stage>, runs/${NAME}_<stage>
+    DATASET_DIR=data/tldr$([[ $ARCH == gpt_neox ]] || echo "_$ARCH")      # tokenized sft/ and preference/ datasets
 else
     TINY=0
     NUM_PROCESSES=$NUM_GPUS
@@ -221,12 +233,12 @@ if [[ $TINY == 1 ]]; then
         $PY -m summarize_from_feedback_details.synthetic_tldr --output_dir $RAW_DIR --seed 1
     # the size MODEL names; with --data every size (what scaling.sh, compare.sh and the sbatch chain
     # read). All sizes share one tokenizer; a size built before is kept (tiny_models.build).
-    sizes=("${MODEL##*/pythia-tiny-}")
+    sizes=("${MODEL##*/$TINY_PREFIX-tiny-}")
     if [[ $DATA_ONLY == 1 ]]; then sizes=(s m l); fi
     for size in ${sizes[@]+"${sizes[@]}"}; do
-        run_stage "tiny base model pythia-tiny-$size" $BASE_MODELS_DIR/pythia-tiny-$size \
+        run_stage "tiny base model $TINY_PREFIX-tiny-$size" $BASE_MODELS_DIR/$TINY_PREFIX-tiny-$size \
             $PY -m summarize_from_feedback_details.tiny_models --corpus $RAW_DIR/tldr_sft/train.jsonl \
-                --output_dir $BASE_MODELS_DIR --sizes "$size" --seed 1
+                --output_dir $BASE_MODELS_DIR --sizes "$size" --seed 1 --arch "$ARCH"
     done
     run_stage "tldr_dataset.py" $DATASET_DIR \
         $PY summarize_from_feedback_details/tldr_dataset.py --base_model "$MODEL" \

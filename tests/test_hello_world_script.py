@@ -29,7 +29,8 @@ if "--output_dir" in sys.argv:
     os.makedirs(out, exist_ok=True)
     open(os.path.join(out, "model.safetensors"), "w").close()
     if "--sizes" in sys.argv:  # tiny_models: a folder per size
-        os.makedirs(os.path.join(out, "pythia-tiny-" + sys.argv[sys.argv.index("--sizes") + 1]), exist_ok=True)
+        prefix = {"gpt_neox": "pythia"}.get(sys.argv[sys.argv.index("--arch") + 1], sys.argv[sys.argv.index("--arch") + 1])
+        os.makedirs(os.path.join(out, prefix + "-tiny-" + sys.argv[sys.argv.index("--sizes") + 1]), exist_ok=True)
 """
 
 
@@ -197,6 +198,30 @@ def test_data_only(checkout):
     assert result.returncode == 0 and not [c for c in calls if "summarize_from_feedback_details.tiny_models" in c]
     result, _ = run(checkout, 8, "--data", MODEL="EleutherAI/pythia-1b-deduped")
     assert result.returncode == 2 and "leave MODEL unset" in result.stderr
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_arch_builds_the_embedded_default_in_its_own_folders(checkout, arch):
+    """ARCH=llama (or qwen3): its tiny base model, tokenized datasets, models and runs apart from the
+    Pythia default's (another tokenizer: nothing may be shared)."""
+    result, calls = run(checkout, 0, ARCH=arch)
+    assert result.returncode == 0, result.stderr
+    (build,) = [c for c in calls if "summarize_from_feedback_details.tiny_models" in c]
+    assert flag(build, "--arch") == arch and flag(build, "--output_dir") == f"models/tiny_{arch}"
+    assert flag(build, "--sizes") == "m"
+    (data,) = stage_calls(calls, "tldr_dataset.py")
+    assert flag(data, "--base_model") == f"models/tiny_{arch}/{arch}-tiny-m" and flag(data, "--output_dir") == f"data/tldr_{arch}"
+    sft_calls = stage_calls(calls, "sft.py")
+    assert len(sft_calls) == 2 and all(flag(c, "--base_model") == f"models/tiny_{arch}/{arch}-tiny-m" for c in sft_calls)
+    assert all(flag(c, "--query_dataset") == f"data/tldr_{arch}/sft" for c in sft_calls)
+    (ppo,) = stage_calls(calls, "ppo_left_padding.py")
+    assert flag(ppo, "--output_dir") == f"models/hello_world_{arch}/ppo"
+    assert flag(ppo, "--reward_model_path") == f"models/hello_world_{arch}/reward_model"
+    result, calls = run(checkout, 0)  # the default: Pythia's folders, built with --arch gpt_neox
+    (build,) = [c for c in calls if "summarize_from_feedback_details.tiny_models" in c]
+    assert flag(build, "--arch") == "gpt_neox" and flag(build, "--output_dir") == "models/tiny"
+    result, calls = run(checkout, 0, ARCH="mamba")
+    assert result.returncode == 2 and "ARCH: 'mamba' is none of: gpt_neox llama qwen3" in result.stderr and not calls
 
 
 def test_own_flags_reach_their_stages_last_and_name_separates_the_run(checkout):
