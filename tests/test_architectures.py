@@ -111,3 +111,24 @@ def test_each_method_runs_and_starts_where_the_paper_says(pipeline, method):
     tokenizer = run_infra.load_tokenizer(os.path.join(workdir, name))
     sample = model.generate(torch.tensor([tokenizer.encode("My boyfriend")]), max_new_tokens=4, do_sample=False)
     assert sample.shape[1] > 2
+
+
+def test_micro_batch_split_gives_the_same_ppo_update_on_llama(pipeline):
+    """PPO's loss is normalised over the minibatch, so micro-batch x accumulation = 1 x 4 and 4 x 1 give
+    the same update on the Llama-style model too (eps 1 and lr 0.05, as tests/test_ppo.py does, so
+    that a wrongly scaled loss would show; fp32 sums in another order)."""
+    if pipeline["arch"] != "llama":
+        pytest.skip("the Llama-style model stands for the RMSNorm architectures")
+    params = {}
+    for micro in (1, 4):
+        name = f"split{micro}"
+        run_in_process(ppo.main, online_args(ppo, pipeline, name, total_episodes=8, nminibatches=2,
+                                             local_micro_batch_size=micro, gradient_accumulation_steps=4 // micro,
+                                             local_rollout_forward_batch_size=8, lr=0.05, eps=1.0,
+                                             run_eval=False), pipeline["workdir"])
+        params[micro] = AutoModelForCausalLM.from_pretrained(os.path.join(pipeline["workdir"], name)).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(pipeline["sft"]).state_dict()
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert (params[1][key] - base[key]).abs().max() > 1e-4  # the update moved the policy (about 3e-4)
+    for name, value in params[1].items():
+        assert torch.allclose(value, params[4][name], rtol=1e-4, atol=1e-6), name

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import BackendFailingAfterFirst
 from peft import LoraConfig, get_peft_model
 from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
-                          GPTNeoXForSequenceClassification)
+                          GPTNeoXForSequenceClassification, LlamaConfig, LlamaForCausalLM)
 
 from summarize_from_feedback_details import dpo, packing, reward, run_infra, sft
 from summarize_from_feedback_details import ppo_left_padding as ppo
@@ -23,6 +23,10 @@ def neox_config(**extra) -> GPTNeoXConfig:
 
 def causal_lm(kind: str = "gpt_neox"):
     torch.manual_seed(0)
+    if kind == "llama":  # RMSNorm, SwiGLU, grouped-query attention, tied embeddings
+        return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True,
+                                 bos_token_id=0, eos_token_id=0, pad_token_id=PAD)).eval()
     if kind == "gpt2":  # absolute position embeddings
         return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64,
                                           pad_token_id=PAD)).eval()
@@ -50,7 +54,7 @@ def real(ids: torch.Tensor) -> torch.Tensor:
     return ids != PAD
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "gpt2"])
+@pytest.mark.parametrize("kind", ["gpt_neox", "gpt2", "llama"])
 @pytest.mark.parametrize("logits_to_keep", [0, 6])
 def test_packed_logits_equal_padded(kind, logits_to_keep):
     model, ids = causal_lm(kind), padded_batch()

@@ -17,7 +17,7 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
                           GPT2ForSequenceClassification, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
-                          GPTNeoXForSequenceClassification)
+                          GPTNeoXForSequenceClassification, LlamaConfig, LlamaForCausalLM)
 
 from conftest import (BackendFailingAfterFirst, accelerate_launcher, command_line_flags, is_wall_clock,
                       run_in_process, run_script, run_until_signalled, signal_on_call, without_rates, side_by_side)
@@ -345,7 +345,7 @@ def hf_samples(model, queries, temperature, seed, length):
     return ppo.generate(model, queries, PAD, ppo.generation_config(length, temperature, PAD))
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "gpt2"])
+@pytest.mark.parametrize("kind", ["gpt_neox", "gpt2", "llama"])
 def test_decode_samples_what_hf_generate_samples(kind, one_thread):
     """Three groups in one batched decode (a rollout-like chunk at T 0.7, a validation-like chunk at
     T 0.01 with narrower queries, a greedy one at T 0), left-padded to different amounts: each
@@ -355,6 +355,10 @@ def test_decode_samples_what_hf_generate_samples(kind, one_thread):
     torch.manual_seed(0)
     if kind == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
+    elif kind == "llama":  # RMSNorm, SwiGLU, grouped-query attention, tied embeddings
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True,
+                                             bos_token_id=EOS, eos_token_id=EOS)).eval()
     else:
         model = tiny_lm()
     generator = torch.Generator().manual_seed(1)

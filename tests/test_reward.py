@@ -10,7 +10,8 @@ import torch
 from datasets import DatasetDict, load_from_disk
 from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
-                          GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForSequenceClassification)
+                          GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForSequenceClassification, LlamaConfig,
+                          LlamaForSequenceClassification)
 
 from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script,
                       run_until_signalled, signal_on_call, stop_and_copy, without_rates)
@@ -49,6 +50,10 @@ def run_reward(tiny_datasets, models_dir, workdir, name, **overrides):
 
 def random_rm(kind: str, hidden: int = 32, vocab: int = 40):
     torch.manual_seed(0)
+    if kind == "llama":  # RMSNorm, SwiGLU, grouped-query attention, tied embeddings
+        return LlamaForSequenceClassification(LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True,
+                                 bos_token_id=0, eos_token_id=0, num_labels=1, pad_token_id=PAD)).eval()
     if kind == "gpt2":  # absolute position embeddings
         config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=2, n_head=2, n_positions=64, bos_token_id=EOS,
                             eos_token_id=EOS, num_labels=1, pad_token_id=PAD)
@@ -126,7 +131,7 @@ def test_reward_is_read_at_the_eos(tiny_datasets, models_dir):
             assert (changed_by_hand - r).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "gpt2"])
+@pytest.mark.parametrize("kind", ["gpt_neox", "gpt2", "llama"])
 def test_left_padding_does_not_change_the_reward(kind):
     """Same text, 0 / 3 / 11 left pads in one batch and some right pads: the same reward, also for
     GPT-2's absolute positions (positions come from the attention mask)."""
