@@ -86,7 +86,7 @@ def online_args(stage, pipeline: dict, name: str, **overrides):
         local_micro_batch_size=8, gradient_accumulation_steps=2, local_rollout_forward_batch_size=16), **overrides})
 
 
-@pytest.mark.parametrize("method", ["ppo", "grpo", "online_dpo", "dpo"])
+@pytest.mark.parametrize("method", ["ppo", "ppo_lora", "grpo", "online_dpo", "dpo"])
 def test_each_method_runs_and_starts_where_the_paper_says(pipeline, method):
     workdir = pipeline["workdir"]
     name = f"{method}_{pipeline['arch']}"
@@ -100,7 +100,7 @@ def test_each_method_runs_and_starts_where_the_paper_says(pipeline, method):
         (first,) = [m for m in read_metrics(workdir, name) if "train/rm/loss" in m][:1]
         assert first["train/rm/loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference
     else:
-        stage, overrides = {"ppo": (ppo, {}), "grpo": (rloo, dict(algorithm="grpo", rloo_k=4, local_rollout_forward_batch_size=4)),
+        stage, overrides = {"ppo": (ppo, {}), "ppo_lora": (ppo, dict(use_peft=True, lr=3e-5)), "grpo": (rloo, dict(algorithm="grpo", rloo_k=4, local_rollout_forward_batch_size=4)),
                             "online_dpo": (online_dpo, dict(local_rollout_forward_batch_size=8))}[method]
         run_in_process(stage.main, online_args(stage, pipeline, name, **overrides), workdir)
         update = [m for m in read_metrics(workdir, name) if "objective/scores" in m][0]
