@@ -10,7 +10,8 @@ the next one runs):
 1. `test_gpu`: `pytest -m gpu` (tests/test_gpu.py: the four stages at Pythia-410m's shape under the
    paper's DeepSpeed ZeRO-2 bf16 config, LoRA and 4-bit, the CUDA-graph decode against the eager one,
    PPO at Pythia-1B's shape with the sbatch micro-batches, --offload, 4-bit PPO, two GPUs where
-   there are two); its `[gpu]` lines (seconds per update, peak memory per stage) go into the report;
+   there are two, the packed forwards against the padded ones at Llama 3.2 1B's shape in bf16 on
+   sdpa); its `[gpu]` lines (seconds per update, peak memory per stage) go into the report;
 2. `speed`: benchmarks/ppo_speed.py at Pythia-1B's shape with one GPU's share of the paper's batch
    (64 queries x 512 + 53 tokens, bf16), one process and ZeRO-2, micro-batch 16: seconds per update
    by phase, tokens/s, utilisation of the measured bf16 matmul peak, and decode ms/step against the

@@ -299,3 +299,46 @@ def test_cuda_graph_decode_step_samples_what_eager_decode_samples(tokenizer_dir,
     assert same(rollout.decode(model, groups, 1, 53), rollout.decode(model, groups, 1, 53, compiled_step))
     print(f"\n[gpu] decode of 8 x (64 + 53) tokens, compiled step: {seconds[0]:.1f} s with the compile, then "
           f"{seconds[1] * 1000:.0f} / {seconds[2] * 1000:.0f} ms", file=sys.stderr)
+
+
+# Llama 3.2 1B: hidden 2048, 16 layers, 32 query and 8 key/value heads, SwiGLU 8192, tied embeddings
+LLAMA_3_2_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                    intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_packed_forwards_match_padded_at_the_llama_3_2_1b_shape():
+    """The packed forwards (real tokens only, one row) against the padded ones on a random model of
+    Llama 3.2 1B's shape in bf16 on sdpa (what the stages run on a GPU), 16 rows of 512 + 53 tokens
+    with left and right padding: the log-probabilities of the real tokens, the critic's values and
+    the rewards agree to bf16 noise, and nothing is computed at padding."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from summarize_from_feedback_details import packing, sft
+    pad = 1
+    torch.manual_seed(0)
+    config = LlamaConfig(bos_token_id=0, eos_token_id=0, pad_token_id=pad, num_labels=1, **LLAMA_3_2_1B)
+    policy = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    critic = LlamaForSequenceClassification(config).to("cuda", torch.bfloat16).eval()
+    assert policy.config._attn_implementation == "sdpa"
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 128000, (16, 565), generator=generator)
+    for row, (left, right) in enumerate(zip(range(0, 400, 25), range(53, 0, -3))):
+        ids[row, :left], ids[row, ids.shape[1] - right:] = pad, pad
+    ids, real = ids.cuda(), (ids != pad).cuda()
+    with torch.no_grad():
+        padded = [sft.forward(policy, ids, pad, 54), ppo_left_padding.get_values(critic, ids, pad),
+                  reward.get_reward(critic, ids, pad)]
+        packing.enable(True, policy, critic)
+        packed = [sft.forward(policy, ids, pad, 54), ppo_left_padding.get_values(critic, ids, pad),
+                  reward.get_reward(critic, ids, pad)]
+    kept = real[:, -54:]
+    logprobs = [torch.log_softmax(logits.float(), -1)[kept] for logits in (padded[0], packed[0])]
+    drift = (logprobs[0] - logprobs[1]).abs().max().item()
+    print(f"\n[gpu] Llama 3.2 1B shape, bf16 sdpa, packed vs padded: max |log-prob diff| {drift:.3g}, values "
+          f"{(padded[1] - packed[1])[real].abs().max().item():.3g}, rewards {(padded[2] - packed[2]).abs().max().item():.3g}",
+          file=sys.stderr)
+    assert drift < 0.1 and (packed[0][~kept] == 0).all()
+    assert torch.allclose(padded[1][real].float(), packed[1][real].float(), atol=0.05, rtol=0.05)
+    assert torch.allclose(padded[2].float(), packed[2].float(), atol=0.05, rtol=0.05)
