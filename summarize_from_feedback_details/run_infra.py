@@ -180,6 +180,25 @@ def load_tokenizer(name: str, *datasets: str):
     return tokenizer
 
 
+def check_architecture(name: str) -> None:
+    """Refuses, before any training (the data stage calls it), a base model the pipeline cannot take
+    end to end: transformers needs a causal-LM class for it (the policies) and a sequence-classification
+    class (the reward model and the critic). A local folder holding only a tokenizer is not checked."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+    if looks_local(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        return
+    model_type = AutoConfig.from_pretrained(name).model_type
+    missing = [role for role, classes in (("causal-LM class (the policies)", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                                          ("sequence-classification class (the reward model and the critic)",
+                                           MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES))
+               if model_type not in classes]
+    if missing:
+        raise ValueError(f"{name}: transformers has no {' and no '.join(missing)} for its architecture "
+                         f"{model_type!r}, so the pipeline cannot run on it; nothing was trained")
+
+
 def special_tokens_added(tokenizer) -> dict:
     """{"before": ids, "after": ids}: what `tokenizer.encode` adds around a text's own tokens."""
     plain = tokenizer.encode("a b", add_special_tokens=False)

@@ -41,8 +41,8 @@ from datasets import Dataset, DatasetDict, Features, List, Value, disable_progre
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from summarize_from_feedback_details.run_infra import (TOKENIZER_RECORD, load_tokenizer, progress,  # noqa: E402
-                                                       tokenizer_fingerprint)
+from summarize_from_feedback_details.run_infra import (TOKENIZER_RECORD, check_architecture, load_tokenizer,  # noqa: E402
+                                                       progress, tokenizer_fingerprint)
 
 CNNDM_BATCHES = ("batch0_cnndm", "cnndm0", "cnndm2")
 SFT_SPLITS = ("train", "validation", "test")
@@ -779,6 +779,7 @@ def run(args: Args, console: Optional[Console] = None) -> dict:
     if os.path.exists(output_dir) and not args.overwrite:
         raise FileExistsError(f"{output_dir} exists; pass --overwrite to replace it")
     tokenizer = load_tokenizer(args.base_model)
+    check_architecture(args.base_model)  # (SFT's hours are not spent on a model the reward model refuses)
     sft, pref = build_datasets(args, tokenizer)
     issues = data_issues(sft, pref)
     report_data_issues(issues, args.strict_data, console)

@@ -511,6 +511,18 @@ def test_a_prepended_bos_is_kept_before_the_query_only(raw_dir, tokenizer_dir, t
         assert row["query_chosen_token"].count(bos) == 1 and row["query_chosen_token"][0] == bos
 
 
+def test_a_model_the_reward_model_cannot_be_built_on_is_refused_before_any_training(raw_dir, tokenizer_dir, tmp_path):
+    """The data stage, the first to run, refuses an architecture with no sequence-classification class
+    in transformers (here FalconMamba), which reward.py would refuse only after SFT's hours."""
+    from transformers import AutoTokenizer, FalconMambaConfig
+
+    FalconMambaConfig(vocab_size=1024, hidden_size=16, num_hidden_layers=1).save_pretrained(tmp_path / "mamba")
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / "mamba")
+    with pytest.raises(ValueError, match="no sequence-classification class .* 'falcon_mamba'"):
+        td.run(tiny_dataset_args(raw_dir, str(tmp_path / "mamba"), str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("template, added", [("$A <|endoftext|>", r"\[\] before and \['<\|endoftext\|>'\] after"),
                                               ("<|endoftext|> $A", r"\['<\|endoftext\|>'\] before")])
 def test_a_tokenizer_that_frames_texts_otherwise_is_refused(template, added, tmp_path):
