@@ -132,3 +132,23 @@ def test_micro_batch_split_gives_the_same_ppo_update_on_llama(pipeline):
     assert (params[1][key] - base[key]).abs().max() > 1e-4  # the update moved the policy (about 3e-4)
     for name, value in params[1].items():
         assert torch.allclose(value, params[4][name], rtol=1e-4, atol=1e-6), name
+
+
+def test_the_reward_offset_survives_the_lora_wrapping_of_a_critic(pipeline):
+    """Under --use_peft peft keeps a trainable copy of the critic's `score` head: the offset is added
+    once, by the copy and by the original (the disabled adapter), as without LoRA."""
+    tokenizer = run_infra.load_tokenizer(pipeline["reward_model"])
+    critic = run_infra.load_reward_model(pipeline["reward_model"], tokenizer).eval()
+    ids = torch.tensor(load_from_disk(os.path.join(pipeline["data"], "sft"))["train"][:4]["query_reference_response_token"])
+    with torch.no_grad():
+        plain = ppo.get_values(critic, ids, tokenizer.pad_token_id)
+        wrapped = run_infra.with_lora(critic, ppo.Args(use_peft=True), head="score").eval()
+        lora = ppo.get_values(wrapped, ids, tokenizer.pad_token_id)
+        with wrapped.disable_adapter():
+            disabled = ppo.get_values(wrapped, ids, tokenizer.pad_token_id)
+        raw = AutoModelForSequenceClassification.from_pretrained(pipeline["reward_model"]).eval()
+        without_offset = ppo.get_values(raw, ids, tokenizer.pad_token_id)
+    assert torch.equal(plain, lora) and torch.equal(plain, disabled)
+    with open(os.path.join(pipeline["reward_model"], "config.json")) as f:
+        offset = json.load(f)["reward_offset"]
+    assert torch.allclose(plain, without_offset + offset, atol=1e-5)
