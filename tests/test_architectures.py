@@ -152,3 +152,32 @@ def test_the_reward_offset_survives_the_lora_wrapping_of_a_critic(pipeline):
     with open(os.path.join(pipeline["reward_model"], "config.json")) as f:
         offset = json.load(f)["reward_offset"]
     assert torch.allclose(plain, without_offset + offset, atol=1e-5)
+
+
+def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run_on_llama(pipeline, monkeypatch):
+    """PPO on the Llama-style model, 3 updates of 8: SIGUSR1 in the middle of update 2 checkpoints it and
+    exits with 75; --resume then gives the uninterrupted run's weights and metric lines (rates and
+    timings aside), bit for bit, as on GPT-NeoX."""
+    from conftest import signal_on_call
+
+    if pipeline["arch"] != "llama":
+        pytest.skip("the Llama-style model stands for the RMSNorm architectures")
+    workdir = pipeline["workdir"]
+    common = dict(total_episodes=24, nminibatches=2, local_micro_batch_size=2, gradient_accumulation_steps=2,
+                  local_rollout_forward_batch_size=8, lr=1e-3, run_eval=False)
+    run_in_process(ppo.main, online_args(ppo, pipeline, "whole", **common), workdir)
+    with monkeypatch.context() as patch:
+        signal_on_call(patch, ppo, "policy_loss", 16 + 8)  # 4 epochs x 2 minibatches x 2 micro-batches per update
+        with pytest.raises(SystemExit) as stopped:
+            run_in_process(ppo.main, online_args(ppo, pipeline, "stopped", **common), workdir)
+    assert stopped.value.code == run_infra.CHECKPOINT_EXIT_CODE
+    run_in_process(ppo.main, online_args(ppo, pipeline, "stopped", resume=True, **common), workdir)
+
+    def lines(name):
+        return [{k: v for k, v in m.items() if not (k.endswith("/eps") or k.startswith(("time/", "throughput/")))}
+                for m in read_metrics(workdir, name)]
+
+    assert lines("stopped") == lines("whole") and len(lines("whole")) == 3
+    whole, resumed = (AutoModelForCausalLM.from_pretrained(os.path.join(workdir, name)).state_dict()
+                      for name in ("whole", "stopped"))
+    assert all(torch.equal(whole[key], resumed[key]) for key in whole)

@@ -599,13 +599,16 @@ def test_clear_errors(tiny_datasets, tokenizer_dir, tmp_path):
     fails(ValueError, "not divisible", local_micro_batch_size=3, batch_size=16)
     from transformers import AutoTokenizer
 
-    bad = AutoTokenizer.from_pretrained(tokenizer_dir)
-    bad.pad_token = bad.eos_token
+    from tokenizers import processors
+
+    bad = AutoTokenizer.from_pretrained(tokenizer_dir)  # an EOS appended to every encode: refused
+    bad.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", pair="$A $B <|endoftext|>", special_tokens=[("<|endoftext|>", 0)])
     bad.save_pretrained(tmp_path / "badtok")
     for f in os.listdir(tokenizer_dir):
         if not f.startswith("tokenizer"):
             os.symlink(os.path.join(tokenizer_dir, f), tmp_path / "badtok" / f)
-    fails(ValueError, "pad token equals EOS", base_model=str(tmp_path / "badtok"))
+    fails(ValueError, r"adds \[\] before and \['<\|endoftext\|>'\] after every text", base_model=str(tmp_path / "badtok"))
 
 
 # ---------------------------------------------------------------------------------------------
