@@ -216,6 +216,16 @@ class BackendFailingAfterFirst:
         return graph_module.forward
 
 
+def tiny_llama_config(vocab_size: int, hidden_size: int = 32, **extra):
+    """A Llama-style config for the tests' random models: RMSNorm, SwiGLU, grouped-query attention (4
+    query heads, 2 key/value heads), tied embeddings; EOS id 0 as BOS and EOS."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True, bos_token_id=0,
+                       eos_token_id=0, **extra)
+
+
 def run_in_process(main, args, workdir) -> None:
     """A stage's `main(args)` in this process, run from `workdir` (its runs/ folder lands there)."""
     cwd = os.getcwd()

@@ -5,10 +5,10 @@ forward that equals the eager one or falls back to it."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BackendFailingAfterFirst
+from conftest import BackendFailingAfterFirst, tiny_llama_config
 from peft import LoraConfig, get_peft_model
 from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
-                          GPTNeoXForSequenceClassification, LlamaConfig, LlamaForCausalLM)
+                          GPTNeoXForSequenceClassification, LlamaForCausalLM)
 
 from summarize_from_feedback_details import dpo, packing, reward, run_infra, sft
 from summarize_from_feedback_details import ppo_left_padding as ppo
@@ -24,9 +24,7 @@ def neox_config(**extra) -> GPTNeoXConfig:
 def causal_lm(kind: str = "gpt_neox"):
     torch.manual_seed(0)
     if kind == "llama":  # RMSNorm, SwiGLU, grouped-query attention, tied embeddings
-        return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True,
-                                 bos_token_id=0, eos_token_id=0, pad_token_id=PAD)).eval()
+        return LlamaForCausalLM(tiny_llama_config(VOCAB, pad_token_id=PAD)).eval()
     if kind == "gpt2":  # absolute position embeddings
         return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64,
                                           pad_token_id=PAD)).eval()

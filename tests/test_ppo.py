@@ -17,9 +17,9 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
                           GPT2ForSequenceClassification, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
-                          GPTNeoXForSequenceClassification, LlamaConfig, LlamaForCausalLM)
+                          GPTNeoXForSequenceClassification, LlamaForCausalLM)
 
-from conftest import (BackendFailingAfterFirst, accelerate_launcher, command_line_flags, is_wall_clock,
+from conftest import (BackendFailingAfterFirst, accelerate_launcher, command_line_flags, is_wall_clock, tiny_llama_config,
                       run_in_process, run_script, run_until_signalled, signal_on_call, without_rates, side_by_side)
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import packing, reward, rollout, run_infra, sft
@@ -356,9 +356,7 @@ def test_decode_samples_what_hf_generate_samples(kind, one_thread):
     if kind == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
     elif kind == "llama":  # RMSNorm, SwiGLU, grouped-query attention, tied embeddings
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                             num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True,
-                                             bos_token_id=EOS, eos_token_id=EOS)).eval()
+        model = LlamaForCausalLM(tiny_llama_config(40)).eval()
     else:
         model = tiny_lm()
     generator = torch.Generator().manual_seed(1)

@@ -10,10 +10,10 @@ import torch
 from datasets import DatasetDict, load_from_disk
 from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
-                          GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForSequenceClassification, LlamaConfig,
+                          GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForSequenceClassification,
                           LlamaForSequenceClassification)
 
-from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script,
+from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script, tiny_llama_config,
                       run_until_signalled, signal_on_call, stop_and_copy, without_rates)
 from summarize_from_feedback_details import reward, run_infra, sft
 
@@ -51,9 +51,7 @@ def run_reward(tiny_datasets, models_dir, workdir, name, **overrides):
 def random_rm(kind: str, hidden: int = 32, vocab: int = 40):
     torch.manual_seed(0)
     if kind == "llama":  # RMSNorm, SwiGLU, grouped-query attention, tied embeddings
-        return LlamaForSequenceClassification(LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True,
-                                 bos_token_id=0, eos_token_id=0, num_labels=1, pad_token_id=PAD)).eval()
+        return LlamaForSequenceClassification(tiny_llama_config(vocab, hidden, num_labels=1, pad_token_id=PAD)).eval()
     if kind == "gpt2":  # absolute position embeddings
         config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=2, n_head=2, n_positions=64, bos_token_id=EOS,
                             eos_token_id=EOS, num_labels=1, pad_token_id=PAD)
@@ -709,13 +707,10 @@ def test_zero_episodes_saves_the_untrained_head_normalised(tiny_datasets, models
 def llama_style_sft(tokenizer_dir: str, folder: str) -> str:
     """A randomly initialised Llama-style causal LM (RMSNorm, SwiGLU, grouped-query attention, tied
     embeddings) with the tiny tokenizer: an SFT checkpoint whose final norm has no bias."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    LlamaForCausalLM(tiny_llama_config(len(tokenizer), max_position_embeddings=512, pad_token_id=PAD)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

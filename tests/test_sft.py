@@ -10,9 +10,9 @@ import pytest
 import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
-from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaForCausalLM
 
-from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script,
+from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script, tiny_llama_config,
                       run_until_signalled, signal_on_call, without_rates)
 from summarize_from_feedback_details import packing, run_infra, sft
 
@@ -114,9 +114,7 @@ def test_epoch_permutations():
 def tiny_lm(kind: str, vocab: int = 40):
     torch.manual_seed(0)
     if kind == "llama":  # RMSNorm, SwiGLU, grouped-query attention, tied embeddings
-        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True,
-                                 bos_token_id=0, eos_token_id=0)).eval()
+        return LlamaForCausalLM(tiny_llama_config(vocab)).eval()
     if kind == "gpt2":  # absolute position embeddings
         return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=64,
                                           bos_token_id=0, eos_token_id=0)).eval()
