@@ -177,11 +177,14 @@ run_training() {
         online_dpo) own=${ONLINE_DPO_FLAGS:-} ;;
         *) own=${RLOO_FLAGS:-} ;;
     esac
-    local extra=()
+    local extra=() run_eval=(--run_eval)
     read -ra extra <<<"${EXTRA_FLAGS:-} $own"
+    # the reward model's backbone is never sampled from: sampling its validation summaries for a
+    # ROUGE no later stage or report reads costs the tiny default 25 s (SFT_FLAGS=--run_eval: it runs)
+    if [[ $stage == sft_all_tokens ]]; then run_eval=(); fi
     rm -rf "runs/${NAME}_$stage"
     if [[ $TINY == 1 ]]; then
-        $PY "$script" "$@" --run_name "${NAME}_$stage" --seed "$SEED" --run_eval ${extra[@]+"${extra[@]}"}
+        $PY "$script" "$@" --run_name "${NAME}_$stage" --seed "$SEED" ${run_eval[@]+"${run_eval[@]}"} ${extra[@]+"${extra[@]}"}
     else
         local track=()
         if [[ $TRACK == 1 ]]; then track=(--track); fi
@@ -243,7 +246,7 @@ if [[ $TINY == 1 ]]; then
     run_stage "tldr_dataset.py" $DATASET_DIR \
         $PY summarize_from_feedback_details/tldr_dataset.py --base_model "$MODEL" \
             --sft_dataset $RAW_DIR/tldr_sft --preference_dataset $RAW_DIR/comparisons \
-            --output_dir $DATASET_DIR --overwrite "${TINY_LENGTHS[@]}"
+            --output_dir $DATASET_DIR --overwrite --num_proc "$(nproc)" "${TINY_LENGTHS[@]}"
     if [[ $DATA_ONLY == 1 ]]; then
         exit 0
     fi
@@ -297,7 +300,8 @@ else
     PPO_ACCUMULATION=$(accumulation 512 "$PPO_MICRO_BATCH")
     DPO_ACCUMULATION=$(accumulation 64 "$DPO_MICRO_BATCH")
     run_stage "tldr_dataset.py" $DATASET_DIR \
-        $PY summarize_from_feedback_details/tldr_dataset.py --base_model "$MODEL" --output_dir "$DATASET_DIR"
+        $PY summarize_from_feedback_details/tldr_dataset.py --base_model "$MODEL" --output_dir "$DATASET_DIR" \
+            --num_proc "$(nproc)"
     run_stage "sft.py" $OUT_DIR/sft/model.safetensors \
         run_training sft sft.py --base_model "$MODEL" --query_dataset "$DATASET_DIR/sft" \
             --output_dir $OUT_DIR/sft --local_micro_batch_size "$SFT_MICRO_BATCH" \

@@ -17,6 +17,7 @@ on the gold scores, so even a perfect reward model cannot reach 100% label accur
 """
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -281,13 +282,18 @@ def normalize(text: str) -> str:
     return " " + " ".join(WORD_RE.findall(text.lower().replace("'", ""))) + " "
 
 
-def _find_values(norm: str, cues: dict) -> Counter:
+def _cue_needles(cues: dict) -> tuple:
+    """(needle, value) for every cue of a slot, longest cue first: the order `_find_values` matches
+    in. Built once per slot (the judge scores every summary of every eval table twice over)."""
+    ordered = sorted(((c, v) for v, cs in cues.items() for c in cs), key=lambda cv: -len(cv[0]))
+    return tuple((" " + normalize(cue).strip() + " ", value) for cue, value in ordered)
+
+
+def _find_values(norm: str, needles: tuple) -> Counter:
     """How often each canonical value's cues occur (longest cue first, each span counted once)."""
     found = Counter()
     spans = []
-    ordered = sorted(((c, v) for v, cs in cues.items() for c in cs), key=lambda cv: -len(cv[0]))
-    for cue, value in ordered:
-        needle = " " + normalize(cue).strip() + " "
+    for needle, value in needles:
         start = norm.find(needle)
         while start != -1:
             end = start + len(needle)
@@ -298,19 +304,25 @@ def _find_values(norm: str, cues: dict) -> Counter:
     return found
 
 
+SLOT_NEEDLES = {"relation": _cue_needles(RELATION_CUES), "problem": _cue_needles(PROBLEM_CUES),
+                "ask": _cue_needles(ASK_CUES), "feeling": _cue_needles(FEELINGS)}
+
+
 def extract_facts(text: str) -> dict:
     """Slot -> Counter of canonical values mentioned in `text` (post or summary)."""
     norm = normalize(text)
     durations = Counter()
     for number, unit in DURATION_RE.findall(norm):
         durations[(int(number), "years" if unit.startswith("y") else "months")] += 1
-    return {
-        "relation": _find_values(norm, RELATION_CUES),
-        "problem": _find_values(norm, PROBLEM_CUES),
-        "ask": _find_values(norm, ASK_CUES),
-        "feeling": _find_values(norm, FEELINGS),
-        "duration": durations,
-    }
+    facts = {slot: _find_values(norm, needles) for slot, needles in SLOT_NEEDLES.items()}
+    return {**facts, "duration": durations}
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _post_facts(post: str) -> dict:
+    """extract_facts of a post, read-only: one eval table's posts are scored once per policy and
+    once per reference, so each post's facts are extracted once."""
+    return extract_facts(post)
 
 
 def _known_words() -> frozenset:
@@ -334,7 +346,7 @@ def gold_score(post: str, summary: str) -> float:
     `post` may be the bare post, the formatted query or a news article; only its facts are read.
     The summary is read up to its first EOS text (eval tables keep `<|endoftext|>` and `[PAD]`)."""
     summary = summary.split(EOS_TEXT)[0]
-    post_facts = extract_facts(post)
+    post_facts = _post_facts(post)
     summary_facts = extract_facts(summary)
     score = 0.0
     for slot, weight in SCORE_WEIGHTS.items():

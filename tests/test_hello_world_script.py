@@ -165,7 +165,10 @@ def test_finished_stages_are_skipped_and_force_reruns(checkout):
     assert flag(ppo, "--sft_model_path") == "models/hello_world/sft" and flag(ppo, "--total_episodes") == str(15 * 64)
     (dpo_call,) = stage_calls(first, "dpo.py")  # DPO from the policy's SFT, like PPO
     assert flag(dpo_call, "--sft_model_path") == "models/hello_world/sft"
-    assert len(stage_calls(first, "sft.py")) == 2
+    backbone, policy = stage_calls(first, "sft.py")
+    assert "--run_eval" not in backbone and "--run_eval" in policy  # nothing samples the RM's backbone
+    (tokenize,) = stage_calls(first, "tldr_dataset.py")  # its output does not depend on --num_proc
+    assert int(flag(tokenize, "--num_proc")) == len(os.sched_getaffinity(0))
     # the base model of the size it uses, nothing more (scaling.sh adds the others)
     (base,) = [c for c in first if "summarize_from_feedback_details.tiny_models" in c]
     assert flag(base, "--sizes") == "m" and flag(base, "--output_dir") == "models/tiny"

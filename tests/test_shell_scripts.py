@@ -616,6 +616,7 @@ def test_tiny_sbatch_chain_runs_hello_worlds_settings(repo, tmp_path):
     for (script, ours, _), (_, theirs, _) in zip(local, submitted, strict=True):
         assert ours == theirs, (script, set(ours.items()) ^ set(theirs.items()))
     assert local[0][1]["--exp_name"] == "sft_all_tokens" and "--response_only_loss" in local[1][1]
+    assert "--run_eval" not in local[0][1] and "--run_eval" in local[1][1]  # nothing samples the RM's backbone
     assert local[3][1]["--total_episodes"] == local[5][1]["--total_episodes"] == str(15 * 64)
     assert local[7][1]["--algorithm"] == "grpo"
     # the same models in the same roles: models/<NAME>/<stage> there, <OUTPUT_ROOT>/models/<model>/<stage>_<seed> here
