@@ -6,15 +6,17 @@ SFT policy, update by update (Gao et al. 2022), and how early the usual warning 
 
 Reads the local runs of the online stages (ppo_left_padding.py, rloo.py, online_dpo.py) that logged the
 gold judge per update (`eval/gold/score`: synthetic data only) beside `objective/validation_score` (the
-reward model on the same validation responses) and `objective/kl`. Per-update validation batches are
+reward model on the same validation responses, sampled at the eval temperature), `objective/scores` (the
+reward model on the update's rollouts, the proxy the method optimises: sampled at the training
+temperature, after any missing-EOS penalty) and `objective/kl`. Per-update validation batches are
 small, so both curves are smoothed by a centred moving average (--smooth updates) before the gold peak
 is read; the raw points are drawn too.
 
 Writes to --out:
-- overoptimization.{png,pdf}: per run, proxy and gold score against KL (two y axes), the gold peak
-  and its KL marked;
-- overoptimization.{csv,md}: per run the update and KL of the gold peak, gold and proxy there and at
-  the end (smoothed);
+- overoptimization.{png,pdf}: per run, both proxies and the gold score against KL (two y axes), the
+  gold peak and its KL marked;
+- overoptimization.{csv,md}: per run the update and KL of the gold peak, gold and both proxies there
+  and at the end (smoothed);
 - warnings.{csv,md}: per run and --warn signal (run_infra.WARNING_SIGNALS, the stages' own rule), the
   update at which it would have fired and how many updates before the gold peak (negative: after).
 """
@@ -34,7 +36,7 @@ from common import save_figure, write_table
 
 from summarize_from_feedback_details.run_infra import WARNING_SIGNALS, first_warning, parse_warnings
 
-CURVES = ("objective/kl", "objective/validation_score", "eval/gold/score")
+CURVES = ("objective/kl", "objective/validation_score", "objective/scores", "eval/gold/score")
 
 
 @dataclass
@@ -68,15 +70,17 @@ def smoothed(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def peak_summary(history: pd.DataFrame, window: int) -> dict:
-    """The gold peak of the smoothed gold curve: its update, the KL there (smoothed), gold and proxy
-    there and at the last update."""
-    gold, proxy = smoothed(history["eval/gold/score"].to_numpy(), window), smoothed(
-        history["objective/validation_score"].to_numpy(), window)
-    kl = smoothed(history["objective/kl"].to_numpy(), window)
+    """The gold peak of the smoothed gold curve: its update, the KL there (smoothed), gold and both
+    proxies (proxy: the validation responses'; rollout_proxy: the rollouts') there and at the last update."""
+    gold, proxy, rollout_proxy, kl = (smoothed(history[key].to_numpy(), window) for key in (
+        "eval/gold/score", "objective/validation_score", "objective/scores", "objective/kl"))
     peak = int(np.argmax(gold))
     return {"updates": len(history), "peak_update": int(history["step"].iloc[peak]), "kl_at_peak": kl[peak],
-            "gold_at_peak": gold[peak], "proxy_at_peak": proxy[peak], "kl_at_end": kl[-1], "gold_at_end": gold[-1],
-            "proxy_at_end": proxy[-1], "gold_drop": gold[peak] - gold[-1], "proxy_rise_after_peak": proxy[-1] - proxy[peak]}
+            "gold_at_peak": gold[peak], "proxy_at_peak": proxy[peak], "rollout_proxy_at_peak": rollout_proxy[peak],
+            "kl_at_end": kl[-1], "gold_at_end": gold[-1], "proxy_at_end": proxy[-1],
+            "rollout_proxy_at_end": rollout_proxy[-1], "gold_drop": gold[peak] - gold[-1],
+            "proxy_rise_after_peak": proxy[-1] - proxy[peak],
+            "rollout_proxy_rise_after_peak": rollout_proxy[-1] - rollout_proxy[peak]}
 
 
 def warning_rows(name: str, history: pd.DataFrame, thresholds: dict, peak_update: int) -> list:
@@ -123,7 +127,9 @@ def main(args: Args) -> None:
         proxy_ax.scatter(history["objective/kl"], history["objective/validation_score"], s=8, color="tab:purple",
                          alpha=0.3)
         proxy_ax.plot(kl, smoothed(history["objective/validation_score"].to_numpy(), args.smooth), color="tab:purple",
-                      label="reward model (proxy)")
+                      label="reward model (proxy), validation responses")
+        proxy_ax.plot(kl, smoothed(history["objective/scores"].to_numpy(), args.smooth), color="tab:purple",
+                      linestyle=":", label="reward model (proxy), the rollouts it optimises")
         row = summary.set_index("run").loc[name]
         ax.axvline(row["kl_at_peak"], color="gray", linestyle="--", linewidth=1,
                    label=f"gold peak: update {int(row['peak_update'])}, KL {row['kl_at_peak']:.2f}")

@@ -22,6 +22,7 @@ def write_run(runs_dir, name, updates=40, peak=20):
         for step in range(1, updates + 1):
             f.write(json.dumps({
                 "step": step, "objective/kl": 0.2 * step, "objective/validation_score": 0.1 * step,  # proxy rises
+                "objective/scores": 0.5 - 0.02 * step,  # the rollouts' proxy falls (a made-up contrast)
                 "eval/gold/score": 3.0 - 0.01 * (step - peak) ** 2,  # gold peaks at `peak`
                 "objective/entropy": 2.0 - 0.05 * step, "ppo/val/response_length": 20.0 + 0.5 * step}) + "\n")
         f.write(json.dumps({"step": updates, "eval/scores": 1.0}) + "\n")  # the final eval: no gold per update
@@ -38,6 +39,7 @@ def test_gold_peak_and_warning_timing(tmp_path):
     assert row["updates"] == 40 and row["peak_update"] == 20 and row["kl_at_peak"] == pytest.approx(4.0)
     assert row["gold_at_peak"] == pytest.approx(3.0) and row["gold_at_end"] == pytest.approx(3.0 - 0.01 * 400)
     assert row["proxy_rise_after_peak"] == pytest.approx(2.0)  # the proxy goes on rising: 2.0 -> 4.0
+    assert row["rollout_proxy_at_peak"] == pytest.approx(0.1) and row["rollout_proxy_rise_after_peak"] == pytest.approx(-0.4)
     warnings = pd.read_csv(os.path.join(out, "warnings.csv")).set_index("signal")
     # kl > 3 first at update 16 (0.2 x 16 = 3.2): 4 updates before the peak; entropy < 0.5 at 31 (2 - 1.55 =
     # 0.45): 11 after; length +50% over 20.5 (the first update's) at 22 (31.0 / 20.5 - 1 = 0.51): 2 after
