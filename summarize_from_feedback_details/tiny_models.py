@@ -136,12 +136,17 @@ def model_config(size: str, vocab_size: int, tokenizer: PreTrainedTokenizerFast,
                       num_key_value_heads=heads // 2, intermediate_size=8 * math.ceil(hidden * 8 / 3 / 8),
                       max_position_embeddings=2048, tie_word_embeddings=True, attention_bias=False,
                       attention_dropout=0.0, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        # RoPE bases of the released models (Llama 3.2: 500,000, Qwen3: 1,000,000; transformers' config
+        # default is 10,000): with 10,000 the Llama-style tiny-m's SFT loss ended at 1.02, with 500,000 at
+        # 0.93 (docs/real_pipeline.md)
         if arch == "llama":
-            return LlamaConfig(rms_norm_eps=1e-5, mlp_bias=False, **layout)
+            return LlamaConfig(rms_norm_eps=1e-5, mlp_bias=False,
+                               rope_parameters=dict(rope_type="default", rope_theta=500_000.0), **layout)
         # Qwen's embedding has rows beyond its vocabulary (151,936 for 151,665 tokens): a multiple of 64
         # past it, so that the [PAD] the stages add needs no new row
         layout["vocab_size"] = 64 * math.ceil((vocab_size + 1) / 64)
-        return Qwen3Config(rms_norm_eps=1e-6, head_dim=hidden // heads, use_sliding_window=False, **layout)
+        return Qwen3Config(rms_norm_eps=1e-6, head_dim=hidden // heads, use_sliding_window=False,
+                           rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0), **layout)
     return GPTNeoXConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,

@@ -63,6 +63,8 @@ def test_data_sft_and_reward_model(pipeline):
     assert policy.get_input_embeddings().num_embeddings == rows and policy.config.tie_word_embeddings
     assert policy.config.num_key_value_heads == policy.config.num_attention_heads // 2
     assert any("q_norm" in key for key in policy.state_dict()) == (pipeline["arch"] == "qwen3")  # Qwen3's QK-norm
+    # the released models' RoPE bases, not transformers' config default of 10,000
+    assert policy.config.rope_parameters["rope_theta"] == {"llama": 500_000, "qwen3": 1_000_000}[pipeline["arch"]]
     with open(os.path.join(pipeline["reward_model"], "config.json")) as f:
         config = json.load(f)
     assert config["reward_offset"] != 0 and config["architectures"][0].endswith("ForSequenceClassification")

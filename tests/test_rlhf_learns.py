@@ -40,7 +40,7 @@ def pipeline(tmp_path_factory):
                                        output_dir=os.path.join(root, "tiny"), sizes=[SIZE]))
     base = os.path.join(root, "tiny", f"pythia-tiny-{SIZE}")
     data = os.path.join(root, "tldr")
-    tldr_dataset.main(tiny_dataset_args(raw, base, data, overwrite=True))
+    tldr_dataset.main(tiny_dataset_args(raw, base, data, overwrite=True, num_proc=2))  # same output, half the time
     paths = {"workdir": root, "base_model": base, "query_dataset": os.path.join(data, "sft"),
              "sft": os.path.join(root, "sft"), "reward_model": os.path.join(root, "reward_model"),
              "control_reward_model": os.path.join(root, "reward_model_control")}
