@@ -7,6 +7,7 @@ SFT over 4-bit NF4 base weights. Skipped without CUDA and not part of `make test
 The same pipeline runs on the CPU at a tiny shape in fp32 inside `make test` (`cpu-smoke`, with
 the bf16 thresholds), so this file cannot rot between GPU runs."""
 
+import functools
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig
 from transformers import GPTNeoXForCausalLM
 
-from conftest import accelerate_launcher, run_script
+from conftest import accelerate_launcher, run_script, side_by_side
 from summarize_from_feedback_details import ppo_left_padding, reward, rollout, run_infra, tldr_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,6 +70,19 @@ def seconds_per_update(metrics: list, eps_key: str, batch_size: int) -> float:
     return batch_size / [m[eps_key] for m in metrics if eps_key in m][-1]
 
 
+def run_rounds(rounds: list, at_once: bool) -> dict:
+    """name -> the stdout of every launch, round after round. On the CPU each launch uses one thread, so
+    a round's launches go side by side (they share no output); on the GPU one after another, so each
+    one's seconds per update and peak memory are its own."""
+    stdout = {}
+    for calls in rounds:
+        if at_once:
+            stdout.update({name: future.result() for name, future in side_by_side(**calls).items()})
+        else:
+            stdout.update({name: call() for name, call in calls.items()})
+    return stdout
+
+
 @pytest.mark.parametrize("setting", [
     pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
     pytest.param("cpu-smoke", marks=pytest.mark.slow),
@@ -81,38 +95,45 @@ def test_stages_at_a_real_pythia_shape(setting, raw_dir, tokenizer_dir, tmp_path
     sft_data, preference_data = os.path.join(data, "sft"), os.path.join(data, "preference")
     out = {"sft": str(tmp_path / "sft"), "reward": str(tmp_path / "rm"), "ppo_left_padding": str(tmp_path / "ppo"),
            "dpo": str(tmp_path / "dpo")}
-    stdout = {
-        "sft": launch("sft", setting, tmp_path, "--base_model", base, "--query_dataset", sft_data, "--output_dir",
-                      out["sft"], "--total_episodes", "64", "--local_eval_batch_size", "32", *BATCH),
-        "reward": launch("reward", setting, tmp_path, "--base_model", base, "--sft_model_path", out["sft"],
-                         "--label_dataset", preference_data, "--query_dataset", sft_data, "--output_dir",
-                         out["reward"], "--total_episodes", "64", "--local_eval_batch_size", "16", *BATCH),
-        "ppo_left_padding": launch(
-            "ppo_left_padding", setting, tmp_path, "--base_model", base, "--sft_model_path", out["sft"],
-            "--reward_model_path", out["reward"], "--query_dataset", sft_data, "--output_dir", out["ppo_left_padding"],
-            "--total_episodes", "64", "--nminibatches", "2", "--local_rollout_forward_batch_size", "16",
-            "--local_eval_batch_size", "16", *BATCH),
-        "dpo": launch("dpo", setting, tmp_path, "--base_model", base, "--sft_model_path", out["sft"],
-                      "--label_dataset", preference_data, "--query_dataset", sft_data, "--output_dir", out["dpo"],
-                      "--total_episodes", "64", "--local_eval_batch_size", "16", *BATCH),
-    }
-    # LoRA: PPO with adapters under the same DeepSpeed engine (the reference = the adapter disabled),
-    # and SFT over 4-bit NF4 base weights (bitsandbytes; without DeepSpeed, which cannot shard them)
-    stdout["ppo_lora"] = launch(
-        "ppo_left_padding", setting, tmp_path, "--base_model", base, "--sft_model_path", out["sft"],
-        "--reward_model_path", out["reward"], "--query_dataset", sft_data, "--output_dir", str(tmp_path / "ppo_lora"),
-        "--total_episodes", "32", "--nminibatches", "2", "--local_rollout_forward_batch_size", "16",
-        "--local_eval_batch_size", "16", "--use_peft", "--lr", "3e-5", *[f for f in BATCH if f != "--run_eval"],
-        run_name="ppo_lora")  # (one update, no final eval: the run above has both)
     four_bit = torch.cuda.is_available() or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    if four_bit:
-        stdout["sft_4bit"] = run_script(
+
+    def launch_later(name: str, *flags, run_name: str = None):
+        return functools.partial(launch, name, setting, tmp_path, *flags, run_name=run_name)
+
+    rounds = [{  # each round needs only the models of the rounds before it
+        "sft": launch_later("sft", "--base_model", base, "--query_dataset", sft_data, "--output_dir", out["sft"],
+                            "--total_episodes", "64", "--local_eval_batch_size", "32", *BATCH),
+        # LoRA SFT over 4-bit NF4 base weights (bitsandbytes; without DeepSpeed, which cannot shard them)
+        **({"sft_4bit": lambda: run_script(
             [sys.executable, os.path.join(REPO, "summarize_from_feedback_details", "sft.py"), "--run_name", "sft_4bit",
              "--base_model", base, "--query_dataset", sft_data, "--output_dir", str(tmp_path / "sft_4bit"),
              "--total_episodes", "32", "--local_micro_batch_size", "8", "--gradient_accumulation_steps", "2",
              "--use_peft", "--load_in_4bit", "--lr", "1e-4"],
             tmp_path, ACCELERATE_MIXED_PRECISION="bf16" if setting == "gpu" else "no",
-            **SETTINGS[setting]["env"]).stdout
+            **SETTINGS[setting]["env"]).stdout} if four_bit else {}),
+    }, {
+        "reward": launch_later("reward", "--base_model", base, "--sft_model_path", out["sft"], "--label_dataset",
+                               preference_data, "--query_dataset", sft_data, "--output_dir", out["reward"],
+                               "--total_episodes", "64", "--local_eval_batch_size", "16", *BATCH),
+        "dpo": launch_later("dpo", "--base_model", base, "--sft_model_path", out["sft"], "--label_dataset",
+                            preference_data, "--query_dataset", sft_data, "--output_dir", out["dpo"],
+                            "--total_episodes", "64", "--local_eval_batch_size", "16", *BATCH),
+    }, {
+        "ppo_left_padding": launch_later(
+            "ppo_left_padding", "--base_model", base, "--sft_model_path", out["sft"], "--reward_model_path",
+            out["reward"], "--query_dataset", sft_data, "--output_dir", out["ppo_left_padding"], "--total_episodes",
+            "64", "--nminibatches", "2", "--local_rollout_forward_batch_size", "16", "--local_eval_batch_size", "16",
+            *BATCH),
+        # PPO with LoRA adapters under the same DeepSpeed engine (the reference = the adapter disabled);
+        # one update, no final eval: the run above has both
+        "ppo_lora": launch_later(
+            "ppo_left_padding", "--base_model", base, "--sft_model_path", out["sft"], "--reward_model_path",
+            out["reward"], "--query_dataset", sft_data, "--output_dir", str(tmp_path / "ppo_lora"),
+            "--total_episodes", "32", "--nminibatches", "2", "--local_rollout_forward_batch_size", "16",
+            "--local_eval_batch_size", "16", "--use_peft", "--lr", "3e-5", *[f for f in BATCH if f != "--run_eval"],
+            run_name="ppo_lora"),
+    }]
+    stdout = run_rounds(rounds, at_once=setting == "cpu-smoke")
     metrics = {stage: read_metrics(tmp_path, stage) for stage in stdout}
     for stage, lines in metrics.items():
         assert all(math.isfinite(v) for m in lines for v in m.values() if isinstance(v, float)), stage

@@ -1,12 +1,14 @@
 """benchmarks/gpu_report.py (`make gpu-report`): what it runs on a GPU machine, that it refuses to run
 without CUDA, and its whole plumbing on the CPU at tiny shapes (so it cannot rot between GPU runs)."""
 
+import functools
 import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
+from conftest import side_by_side
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "gpu_report.py")
@@ -42,16 +44,23 @@ def test_the_gpu_plan_is_the_papers_per_gpu_share():
 
 @pytest.mark.slow
 def test_smoke_report_on_the_cpu(tmp_path):
-    out = str(tmp_path / "report")
-    assert gpu_report.main(gpu_report.Args(out=out, smoke=True)) == 0
-    with open(os.path.join(out, "report.md")) as f:
-        report = f.read()
-    for step in ("test_gpu", "speed", "trl", "drift", "dpo_memory"):
-        assert f"## {step}:" in report and os.path.exists(os.path.join(out, f"{step}.log"))
-    assert report.count("\nok in ") == 5 and "FAILED" not in report
-    assert "| tiny-s | single | packed | 1 | 4 | fp32 |" in report and "1 passed" in report
-    assert "| tiny-s | cpu | 2 | padded, all logits | n/a |" in report  # (no GPU: seconds only)
-    drift = report[report.index("## drift"):]
+    """Every step at tiny shapes, in two reports side by side (each step runs one thread: on the GPU they
+    run one after another in one report)."""
+    groups = {"benchmarks": ("speed", "trl"), "checks": ("test_gpu", "drift", "dpo_memory")}
+    runs = side_by_side(**{name: functools.partial(gpu_report.main, gpu_report.Args(
+        out=str(tmp_path / name), smoke=True, steps=chosen)) for name, chosen in groups.items()})
+    reports = {}
+    for name, chosen in groups.items():
+        assert runs[name].result() == 0
+        with open(tmp_path / name / "report.md") as f:
+            reports[name] = f.read()
+        for step in chosen:
+            assert f"## {step}:" in reports[name] and (tmp_path / name / f"{step}.log").exists()
+        assert reports[name].count("\nok in ") == len(chosen) and "FAILED" not in reports[name]
+    assert "| tiny-s | single | packed | 1 | 4 | fp32 |" in reports["benchmarks"]
+    assert "| tiny-s | cpu | 2 | padded, all logits | n/a |" in reports["checks"]  # (no GPU: seconds only)
+    assert "1 passed" in reports["checks"]
+    drift = reports["checks"][reports["checks"].index("## drift"):]
     # the same tokens at batch 1 and 4 in each dtype the CPU runs, against fp32 at batch 1 (0 there)
     assert "| fp32 | 1 | 32 | 0 | 0 | 0 |" in drift and "| bf16 | 4 | 32 |" in drift
 

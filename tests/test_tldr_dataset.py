@@ -3,6 +3,7 @@ import contextlib
 import copy
 import dataclasses
 import filecmp
+import functools
 import io
 import json
 import os
@@ -16,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import tyro
-from conftest import FIXTURES, TINY_CNNDM_PARAMS, TINY_TLDR_PARAMS, tiny_dataset_args
+from conftest import FIXTURES, TINY_CNNDM_PARAMS, TINY_TLDR_PARAMS, side_by_side, tiny_dataset_args
 from datasets import load_from_disk
 
 from summarize_from_feedback_details import tldr_dataset as td
@@ -685,15 +686,19 @@ def test_cli_runs_and_reports_bad_input(raw_dir, tokenizer_dir, tmp_path):
            "--preference_dataset", f"{raw_dir}/comparisons", "--output_dir", str(tmp_path / "cli")]
     cmd += " ".join(flags).split()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    bad = copy_raw(raw_dir, tmp_path)
+    rewrite_row(os.path.join(bad, "tldr_sft", "train.jsonl"), 4, lambda r: r.update(post=""))
+    bad_cmd = list(cmd)
+    bad_cmd[cmd.index("--sft_dataset") + 1] = f"{bad}/tldr_sft"
+    bad_cmd[cmd.index("--output_dir") + 1] = str(tmp_path / "cli2")
+    # the two runs side by side: each spends most of its time importing, on one core
+    runs = side_by_side(**{name: functools.partial(subprocess.run, command, capture_output=True, text=True, env=env,
+                                                   timeout=300) for name, command in (("good", cmd), ("bad", bad_cmd))})
+    result = runs["good"].result()
     assert result.returncode == 0, result.stderr
     assert "observed maximum lengths" in result.stdout
     assert sorted(os.listdir(tmp_path / "cli")) == ["dataset_visuals", "preference", "sft", "stats.json"]
-    bad = copy_raw(raw_dir, tmp_path)
-    rewrite_row(os.path.join(bad, "tldr_sft", "train.jsonl"), 4, lambda r: r.update(post=""))
-    cmd[cmd.index("--sft_dataset") + 1] = f"{bad}/tldr_sft"
-    cmd[cmd.index("--output_dir") + 1] = str(tmp_path / "cli2")
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    result = runs["bad"].result()
     assert result.returncode == 1
     assert f"error: {bad}/tldr_sft/train.jsonl: row 4 (line 5): column 'post': empty text" in result.stderr
     assert not os.path.exists(tmp_path / "cli2")
