@@ -80,8 +80,10 @@ def gold_minus_sft(pipeline, run_name: str) -> dict:
 def run_ppo(pipeline, run_name: str, reward_model: str) -> dict:
     run_in_process(ppo.main, ppo.Args(
         base_model=pipeline["base_model"], sft_model_path=pipeline["sft"], reward_model_path=pipeline[reward_model],
-        query_dataset=pipeline["query_dataset"], lr=1e-4, total_episodes=PPO_UPDATES * 64, local_micro_batch_size=16,
-        gradient_accumulation_steps=4, local_rollout_forward_batch_size=64, local_eval_batch_size=100,
+        # hello_world's batch of 64 in one micro-batch instead of 16 x 4 (a memory knob: the same PPO +0.413,
+        # 43 s instead of 49 s per run)
+        query_dataset=pipeline["query_dataset"], lr=1e-4, total_episodes=PPO_UPDATES * 64, local_micro_batch_size=64,
+        gradient_accumulation_steps=1, local_rollout_forward_batch_size=64, local_eval_batch_size=100,
         response_length=32, run_eval=True, run_name=run_name, output_dir=os.path.join(pipeline["workdir"], run_name)),
         pipeline["workdir"])
     return gold_minus_sft(pipeline, run_name)
