@@ -744,16 +744,6 @@ def rescue_model(module, state_dict: dict, tokenizer, output_dir: str) -> Option
     return None
 
 
-def skip_deepspeed_shm_comm() -> None:
-    """DeepSpeed on CPU processes compiles a shared-memory all-reduce op (C++, about 30 s on two
-    cores) at its first start in each installation. Only its inference all-reduce (tensor-parallel
-    inference) uses that op; ZeRO's training collectives go through torch.distributed (gloo here)
-    either way, so CPU runs mark it unavailable rather than build it."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
 def start_run(args, identity: dict, generates: bool = False) -> "Run":
     """The prologue of every stage, after its batch arithmetic (`args.world_size` and the batch
     fields are set): the Accelerator (CPU processes talk over gloo; a single plain process needs no
@@ -772,8 +762,6 @@ def start_run(args, identity: dict, generates: bool = False) -> "Run":
     check_fresh_start(args)
     distributed_cpu = "WORLD_SIZE" in os.environ and not torch.cuda.is_available()
     kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else []
-    if distributed_cpu and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        skip_deepspeed_shm_comm()
     accelerator = Accelerator(
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
