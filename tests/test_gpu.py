@@ -327,39 +327,76 @@ LLAMA_3_2_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=
                     intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_packed_forwards_match_padded_at_the_llama_3_2_1b_shape():
-    """The packed forwards (real tokens only, one row) against the padded ones on a random model of
-    Llama 3.2 1B's shape in bf16 on sdpa (what the stages run on a GPU), 16 rows of 512 + 53 tokens
-    with left and right padding: the log-probabilities of the real tokens, the critic's values and
-    the rewards agree to bf16 noise, and nothing is computed at padding."""
+@torch.no_grad()
+def packed_and_padded_errors(shape: dict, device: str) -> dict:
+    """A random Llama-style policy and critic of `shape` on sdpa, 16 rows of 512 + 53 tokens with left
+    and right padding, scored padded and packed (real tokens only, one row), in fp32 and in bf16: for
+    the log-probabilities of the real response tokens, the critic's values at real tokens and the
+    rewards, the max and mean |difference| from the padded fp32 forward. Also whether the packed
+    forward left every padding position's logits at 0."""
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     from summarize_from_feedback_details import packing, sft
     pad = 1
     torch.manual_seed(0)
-    config = LlamaConfig(bos_token_id=0, eos_token_id=0, pad_token_id=pad, num_labels=1, **LLAMA_3_2_1B)
-    policy = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
-    critic = LlamaForSequenceClassification(config).to("cuda", torch.bfloat16).eval()
+    config = LlamaConfig(bos_token_id=0, eos_token_id=0, pad_token_id=pad, num_labels=1, **shape)
+    policy = LlamaForCausalLM(config).to(device).eval()
+    critic = LlamaForSequenceClassification(config).to(device).eval()
     assert policy.config._attn_implementation == "sdpa"
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, 128000, (16, 565), generator=generator)
+    ids = torch.randint(2, shape["vocab_size"], (16, 565), generator=torch.Generator().manual_seed(1))
     for row, (left, right) in enumerate(zip(range(0, 400, 25), range(53, 0, -3))):
         ids[row, :left], ids[row, ids.shape[1] - right:] = pad, pad
-    ids, real = ids.cuda(), (ids != pad).cuda()
-    with torch.no_grad():
-        padded = [sft.forward(policy, ids, pad, 54), ppo_left_padding.get_values(critic, ids, pad),
-                  reward.get_reward(critic, ids, pad)]
-        packing.enable(True, policy, critic)
-        packed = [sft.forward(policy, ids, pad, 54), ppo_left_padding.get_values(critic, ids, pad),
-                  reward.get_reward(critic, ids, pad)]
+    ids, real = ids.to(device), (ids != pad).to(device)
     kept = real[:, -54:]
-    logprobs = [torch.log_softmax(logits.float(), -1)[kept] for logits in (padded[0], packed[0])]
-    drift = (logprobs[0] - logprobs[1]).abs().max().item()
-    print(f"\n[gpu] Llama 3.2 1B shape, bf16 sdpa, packed vs padded: max |log-prob diff| {drift:.3g}, values "
-          f"{(padded[1] - packed[1])[real].abs().max().item():.3g}, rewards {(padded[2] - packed[2]).abs().max().item():.3g}",
-          file=sys.stderr)
-    assert drift < 0.1 and (packed[0][~kept] == 0).all()
-    assert torch.allclose(padded[1][real].float(), packed[1][real].float(), atol=0.05, rtol=0.05)
-    assert torch.allclose(padded[2].float(), packed[2].float(), atol=0.05, rtol=0.05)
+    scores, padding_untouched = {}, True
+    for dtype in (torch.float32, torch.bfloat16):
+        policy.to(dtype), critic.to(dtype)
+        for packed in (False, True):
+            packing.enable(packed, policy, critic)
+            logits = sft.forward(policy, ids, pad, 54)
+            padding_untouched &= not packed or bool((logits[~kept] == 0).all())
+            scores[dtype, packed] = [torch.log_softmax(logits.float(), -1)[kept],
+                                     ppo_left_padding.get_values(critic, ids, pad).float()[real],
+                                     reward.get_reward(critic, ids, pad).float()]
+    reference = scores[torch.float32, False]
+    errors = {(dtype, packed, name): ((a - b).abs().max().item(), (a - b).abs().mean().item())
+              for (dtype, packed), score in scores.items()
+              for name, a, b in zip(("logprob", "value", "reward"), score, reference)}
+    return {"errors": errors, "padding_untouched": padding_untouched}
+
+
+def assert_packing_adds_no_error(result: dict, fp32_tolerance: float):
+    """In fp32 the packed forwards equal the padded ones to float noise; in bf16 each path rounds
+    its own way, so packed is held to padded's own distance from fp32 (not to padded bf16 itself:
+    on the GPU below, packed and padded bf16 differ by up to 0.14 in log-probability while each is
+    0.45 from fp32)."""
+    errors = result["errors"]
+    assert result["padding_untouched"]
+    for name in ("logprob", "value", "reward"):
+        assert errors[torch.float32, True, name][0] < fp32_tolerance, (name, errors[torch.float32, True, name])
+        packed_bf16, padded_bf16 = errors[torch.bfloat16, True, name], errors[torch.bfloat16, False, name]
+        assert packed_bf16[0] <= 1.25 * padded_bf16[0], (name, packed_bf16, padded_bf16)
+        if name != "reward":  # 16 rewards are too few for a mean to compare; thousands of tokens are not
+            assert packed_bf16[1] <= 1.1 * padded_bf16[1], (name, packed_bf16, padded_bf16)
+
+
+def test_packing_error_check_at_a_tiny_llama_shape():
+    """The GPU test's plumbing on the CPU (a two-layer Llama of the same layout), so it cannot rot."""
+    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=1024, tie_word_embeddings=True)
+    assert_packing_adds_no_error(packed_and_padded_errors(shape, "cpu"), fp32_tolerance=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_packed_forwards_match_padded_at_the_llama_3_2_1b_shape():
+    """The packed forwards against the padded ones on a random model of Llama 3.2 1B's shape on sdpa
+    (what the stages run on a GPU). On one H200 (2026-11-28): fp32 packed vs padded max |difference|
+    4.6e-5 (log-prob), 2.8e-5 (value), 1.8e-5 (reward); in bf16 both paths are 0.45 (log-prob max)
+    from fp32, 0.041 on average."""
+    result = packed_and_padded_errors(LLAMA_3_2_1B, "cuda")
+    print("\n[gpu] Llama 3.2 1B shape on sdpa, max / mean |difference| from padded fp32: " + "; ".join(
+        f"{dtype_name} {'packed' if packed else 'padded'} {name} {e[0]:.3g} / {e[1]:.3g}"
+        for (dtype, packed, name), e in result["errors"].items()
+        for dtype_name in [str(dtype).removeprefix("torch.")]), file=sys.stderr)
+    assert_packing_adds_no_error(result, fp32_tolerance=1e-3)
