@@ -37,9 +37,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from summarize_from_feedback_details.ppo_left_padding import (QUERY_COLUMNS, derived_seed, forward, gather_logprobs,
-                                                              get_reward, scaled_logits, truncate_response)
-from summarize_from_feedback_details.rollout import SamplingGroup, decode
+from summarize_from_feedback_details.ppo_left_padding import (QUERY_COLUMNS, forward, gather_logprobs, get_reward,
+                                                              scaled_logits, truncate_response)
+from summarize_from_feedback_details.rollout import SamplingGroup, decode, derived_seed
 from summarize_from_feedback_details.run_infra import (check_model_path, load_policy, load_reward_model,
                                                        load_split_dataset, load_tokenizer, looks_local)
 

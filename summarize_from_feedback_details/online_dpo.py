@@ -53,25 +53,20 @@ chosen above the rejected's, before the step), `online_dpo/{chosen,rejected}_rew
 Only the policy is saved: a plain causal LM plus tokenizer (LoRA: merged, the adapter in `adapter/`).
 """
 
-import contextlib
 import functools
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-import pandas as pd
 import torch
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator
-from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
-from transformers import GenerationConfig
 
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches
-from summarize_from_feedback_details.synthetic_tldr import gold_validation_metrics
+from summarize_from_feedback_details.evaluation import final_evaluation, validate
+from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches, derived_seed
 from summarize_from_feedback_details.run_infra import (PhaseTimer, describe_frozen, enable_gradient_checkpointing,
                                                        frozen_dtype, load_policy, load_reward_model, load_split_dataset,
                                                        load_tokenizer, make_optimizer, prepare_frozen, quantization,
@@ -94,8 +89,8 @@ class Args:
     """DeepSpeed only: the frozen reference policy and reward model as ZeRO-3 engines with their
     parameters offloaded to CPU"""
     run_eval: bool = False
-    """after training: generation at `eval_temperature` over validation and test, scored by the reward
-    model next to the references, saved as `<split>_table.csv` (PPO's table, which eval/ judges)"""
+    """after training: every validation and test query sampled through the rollout engine at
+    `eval_temperature`, scored against the references (evaluation.py), saved as `<split>_table.csv`"""
     print_sample_output_freq: int = 220
     """every this many updates (starting with the first), save the validation samples of the update as
     `samples_<update>.csv` (0: never)"""
@@ -319,41 +314,6 @@ def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0
                  logits_to_keep=logits_to_keep, return_dict=True).logits
 
 
-def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
-    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` can never
-    be sampled (its logit is suppressed)."""
-    return GenerationConfig(
-        max_new_tokens=response_length, min_new_tokens=response_length, temperature=temperature + 1e-7,
-        top_k=0, top_p=1.0, do_sample=True, eos_token_id=None, pad_token_id=None, bos_token_id=None,
-        suppress_tokens=[pad_id],
-    )
-
-
-@contextlib.contextmanager
-def without_stop_ids(model):
-    """generate() fills unset fields from the model's own generation config: an EOS id there would
-    make min_new_tokens suppress EOS at every step, so the policy could never emit it. Cleared for
-    the call only, so a saved model's plain generate() still stops at EOS."""
-    saved = model.generation_config.eos_token_id, model.generation_config.pad_token_id
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
-    try:
-        yield
-    finally:
-        model.generation_config.eos_token_id, model.generation_config.pad_token_id = saved
-
-
-@torch.no_grad()
-def generate(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig) -> torch.Tensor:
-    """Left-padded queries -> responses of exactly max_new_tokens tokens."""
-    attention_mask = queries != pad_id
-    with without_stop_ids(model):
-        output = model.generate(input_ids=torch.masked_fill(queries, ~attention_mask, 0),
-                                attention_mask=attention_mask, generation_config=config)
-    responses = output[:, queries.shape[1]:]
-    assert responses.shape[1] == config.max_new_tokens, "generation stopped early"
-    return responses
-
-
 def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int) -> torch.Tensor:
     """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` impossible, the
     same operations HF's temperature and suppress-tokens processors apply in generation. The
@@ -444,14 +404,6 @@ def cycling_slice(order: list, start: int, size: int) -> list:
     return [order[(start + i) % len(order)] for i in range(size)]
 
 
-def derived_seed(*numbers: int) -> int:
-    """A seed that depends only on the given integers (no per-rank state, no Python hash salt)."""
-    seed = 0
-    for n in numbers:
-        seed = (seed * 1_000_003 + int(n)) % (2 ** 61 - 1)
-    return seed
-
-
 def load_online_dpo_models(run, tokenizer) -> tuple:
     """Policy and reference from the SFT checkpoint, the reward model from reward.py's. The policy in
     fp32 master weights (a 4-bit NF4 base under --load_in_4bit), the frozen ones in the mixed-precision
@@ -491,67 +443,7 @@ def online_dpo_metrics(accelerator, stats: torch.Tensor, batch_size: int) -> dic
 
 
 # ---------------------------------------------------------------------------------------------
-# evaluation (PPO's)
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def score_responses(accelerator: Accelerator, reward_model, tokenizer, queries: torch.Tensor, responses: torch.Tensor,
-                    references: torch.Tensor) -> tuple:
-    """`responses` to `queries` truncated after EOS, their reward-model scores (no EOS penalty, as the
-    paper's eval) and the scores of the reference responses; returns (rows, scores, reference_scores)."""
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    responses = truncate_response(responses, eos_id, pad_id)
-    with torch.no_grad(), accelerator.autocast():
-        scores = get_reward(reward_model, torch.cat([queries, responses], 1), pad_id).float()
-        reference_scores = get_reward(reward_model, torch.cat([queries, references], 1), pad_id).float()
-    rows = [
-        {"query": q, "postprocessed_response": r, "reference_responses": ref, "scores": s, "reference_scores": rs}
-        for q, r, ref, s, rs in zip(
-            tokenizer.batch_decode(queries, skip_special_tokens=True),
-            tokenizer.batch_decode(responses, skip_special_tokens=True),
-            tokenizer.batch_decode(references, skip_special_tokens=True),
-            scores.tolist(), reference_scores.tolist(),
-        )
-    ]
-    return rows, scores, reference_scores
-
-
-def evaluate(accelerator: Accelerator, policy, reward_model, tokenizer, dataloader, gen_config) -> tuple:
-    """The whole split, gathered without the duplicates that sharding pads the last batch with."""
-    rows = []
-    for batch in dataloader:
-        with accelerator.autocast():
-            responses = generate(policy, batch["query_token"], tokenizer.pad_token_id, gen_config)
-        local_rows, _, _ = score_responses(accelerator, reward_model, tokenizer, batch["query_token"], responses,
-                                           batch["reference_response_token"])
-        rows += accelerator.gather_for_metrics(local_rows, use_gather_object=True)
-    table = pd.DataFrame(rows, columns=["query", "postprocessed_response", "reference_responses", "scores",
-                                        "reference_scores"])
-    metrics = {"scores": float(table["scores"].mean()), "reference_scores": float(table["reference_scores"].mean()),
-               "rm_win_rate": float((table["scores"] > table["reference_scores"]).mean())}
-    return metrics, table
-
-
-def validate(run, reward_model, tokenizer, validation_batch: dict, generated: list, logger, update: int) -> dict:
-    """`objective/validation_score`, the reward model's mean score over all processes of the policy's
-    responses (`generated`, from the batched decode) to this update's validation queries, and on
-    synthetic data the gold judge's `eval/gold/*` of the same responses (the over-optimisation curve:
-    proxy and gold side by side); every `print_sample_output_freq` updates they are saved as
-    `samples_<update>.csv` (full slices on every rank: nothing to de-duplicate, and no dataloader state
-    involved)."""
-    sample_rows, scores, _ = score_responses(run.accelerator, reward_model, tokenizer, validation_batch["query_token"],
-                                             torch.cat([response for response, _ in generated]),
-                                             validation_batch["reference_response_token"])
-    rows = gather_object(sample_rows)
-    freq = run.args.print_sample_output_freq
-    if freq and (update - 1) % freq == 0:
-        table = pd.DataFrame(rows)
-        logger.table(f"samples_{update}", table)
-        run.print(f"update {update}: {table.iloc[0]['postprocessed_response']!r} (score {table.iloc[0]['scores']:.3f})")
-    return {"objective/validation_score": run.accelerator.gather(scores).mean().item(), **gold_validation_metrics(rows)}
-
-
+# the run (evaluation.py measures the policy: per-update validation and --run_eval)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -596,10 +488,6 @@ def main(args: Args) -> None:
     # per-update validation as PPO: rank r takes its r-th slice of a new global slice every update
     validation = dataset["validation"].with_format("torch", columns=list(QUERY_COLUMNS))
     validation_order = torch.randperm(len(validation), generator=torch.Generator().manual_seed(args.seed)).tolist()
-    eval_loaders = {s: accelerator.prepare(DataLoader(dataset[s].with_format("torch", columns=list(QUERY_COLUMNS)),
-                                                      batch_size=args.local_eval_batch_size))
-                    for s in ("validation", "test") if s in dataset and args.run_eval}
-    eval_config = generation_config(args.response_length, args.eval_temperature, pad_id)
     checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [])
     run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}",
               soft_wrap=True)
@@ -721,13 +609,7 @@ def main(args: Args) -> None:
         checkpoints.after_update(update, args.run_name, logger)
 
     model.eval()
-    if args.run_eval:
-        for split, loader in eval_loaders.items():
-            eval_metrics, table = evaluate(accelerator, unwrapped, reward_model, tokenizer, run.progress(
-                loader, len(loader), f"eval {split}", stoppable=True), eval_config)
-            logger.log({f"eval/{split}/{k}": v for k, v in eval_metrics.items()}, args.num_updates)
-            logger.table(f"{split}_table", table)
-            run.print(f"{split}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+    final_evaluation(run, unwrapped, reward_model, tokenizer, dataset, logger)
 
     # only the policy is saved: a plain causal LM, loadable offline with transformers
     run.save(model, tokenizer, unwrapped, functools.partial(load_policy, args.sft_model_path, tokenizer))

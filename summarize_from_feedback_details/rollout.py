@@ -31,6 +31,14 @@ class SamplingGroup:
     seed: int
 
 
+def derived_seed(*numbers: int) -> int:
+    """A seed that depends only on the given integers (no per-rank state, no Python hash salt)."""
+    seed = 0
+    for n in numbers:
+        seed = (seed * 1_000_003 + int(n)) % (2 ** 61 - 1)
+    return seed
+
+
 def left_pad_batch(queries: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
     return torch.nn.functional.pad(queries, (width - queries.shape[1], 0), value=pad_id)
 

@@ -45,9 +45,8 @@ def one_thread():
 
 @pytest.mark.parametrize("module,name", [
     *((ppo, n) for n in ("epoch_permutations", "first_true_indices", "truncate_response", "forward",
-                         "generation_config", "without_stop_ids", "generate", "scaled_logits", "gather_logprobs",
-                         "response_logits", "get_reward", "penalize_missing_eos",
-                         "cycling_slice", "derived_seed", "score_responses", "evaluate", "validate")),
+                         "scaled_logits", "gather_logprobs", "response_logits", "get_reward", "penalize_missing_eos",
+                         "cycling_slice")),
     (dpo, "dpo_losses"),
     (dpo, "implicit_rewards"),
 ])
@@ -244,7 +243,7 @@ def first_update_pairs(args: online_dpo.Args, quick_eval_data) -> tuple:
     order = online_dpo.epoch_permutations(len(train), -(-args.total_episodes // (2 * len(train))), args.seed)
     queries = torch.tensor(train.select(order[:16])["query_token"])
     sft = run_infra.load_policy(args.sft_model_path, tokenizer).eval()
-    groups = [rollout.SamplingGroup(queries[i: i + 8], 0.7, online_dpo.derived_seed(args.seed, 0, 1, i, sample))
+    groups = [rollout.SamplingGroup(queries[i: i + 8], 0.7, rollout.derived_seed(args.seed, 0, 1, i, sample))
               for i in (0, 8) for sample in (0, 1)]
     decoded = rollout.decode_in_batches(sft, groups, PAD, 32, 16)
     responses, logprobs = (torch.stack([torch.cat(x[0::2]), torch.cat(x[1::2])], 1).flatten(0, 1)  # rows 2q + s

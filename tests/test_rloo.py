@@ -27,10 +27,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "rloo.py")
 DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu.yaml")
 # the helpers rloo.py shares with PPO: copies, kept identical (DESIGN section 1)
-COPIED_FROM_PPO = ("epoch_permutations", "first_true_indices", "truncate_response", "forward", "generation_config",
-                   "without_stop_ids", "generate", "scaled_logits", "gather_logprobs", "entropy_from_logits",
-                   "response_logits", "get_reward", "response_masks", "penalize_missing_eos",
-                   "cycling_slice", "derived_seed", "minibatch_rows", "score_responses", "evaluate", "validate")
+COPIED_FROM_PPO = ("epoch_permutations", "first_true_indices", "truncate_response", "forward", "scaled_logits",
+                   "gather_logprobs", "entropy_from_logits", "response_logits", "get_reward", "response_masks",
+                   "penalize_missing_eos", "cycling_slice", "minibatch_rows")
 
 
 @pytest.mark.parametrize("name", COPIED_FROM_PPO)
@@ -362,7 +361,7 @@ def test_a_querys_samples_share_the_query_and_come_from_their_own_seeds(base_run
     assert torch.equal(queries[::2], torch.tensor(train[order]["query_token"]))
     tokenizer = run_infra.load_tokenizer(checkpoints[0])
     sft = run_infra.load_policy(checkpoints[0], tokenizer).eval()
-    groups = [rollout.SamplingGroup(queries[::2][c: c + 2], 0.7, rloo.derived_seed(args.seed, 0, 1, c, j))
+    groups = [rollout.SamplingGroup(queries[::2][c: c + 2], 0.7, rollout.derived_seed(args.seed, 0, 1, c, j))
               for c in (0, 2) for j in range(2)]
     sampled = [response for response, _ in rollout.decode(sft, groups, PAD, 20)]
     assert torch.equal(rloo.query_major(sampled, 2), responses)

@@ -19,17 +19,16 @@ PACKAGE = REPO / "summarize_from_feedback_details"
 STAGES = ("sft", "reward", "dpo", "ppo_left_padding", "rloo", "online_dpo")
 SHARED = ("run_infra", "rollout")
 # lines of the file / of main() (DESIGN.md section 1); PPO's update loop stays in main(), <= 160 lines
-BUDGETS = {"sft": (500, 150), "reward": (600, 150), "dpo": (600, 150), "ppo_left_padding": (950, 230),
-           "rloo": (950, 230), "online_dpo": (800, 200)}
+BUDGETS = {"sft": (500, 150), "reward": (600, 150), "dpo": (600, 150), "ppo_left_padding": (850, 220),
+           "rloo": (800, 200), "online_dpo": (650, 180)}
 PPO_LOOP_BUDGET = 160
 # the small algorithm helpers that stay copied in each stage that uses them (what can change a result
 # stays in the stage); the identity tests in test_reward.py, test_dpo.py and test_ppo.py keep the copies equal
 COPIED_ALGORITHM_HELPERS = {"derive_batch_sizes", "epoch_permutations", "first_true_indices", "truncate_response",
                             "forward", "generation_config", "without_stop_ids", "generate", "get_reward",
-                            "pair_table", "accuracy_breakdown", "cycling_slice", "derived_seed",
-                            "entropy_from_logits", "gather_logprobs", "minibatch_rows", "penalize_missing_eos",
-                            "response_logits", "response_masks", "scaled_logits", "score_responses", "validate",
-                            "response_window", "dpo_losses", "implicit_rewards"}
+                            "pair_table", "accuracy_breakdown", "cycling_slice", "entropy_from_logits",
+                            "gather_logprobs", "minibatch_rows", "penalize_missing_eos", "response_logits",
+                            "response_masks", "scaled_logits", "response_window", "dpo_losses", "implicit_rewards"}
 # names every stage defines for itself (different code under one name)
 OWN_IN_EVERY_STAGE = {"Args", "main", "evaluate"}
 # calls that build run infrastructure: a stage makes none of them itself, it calls run_infra
@@ -110,6 +109,26 @@ def test_run_infrastructure_is_defined_in_one_file():
     repeated = {name for name, stages in defined_in.items() if len(stages) > 1} - OWN_IN_EVERY_STAGE
     assert repeated <= COPIED_ALGORITHM_HELPERS, repeated - COPIED_ALGORITHM_HELPERS
     assert not COPIED_ALGORITHM_HELPERS & shared
+
+
+ONLINE_STAGES = ("ppo_left_padding", "rloo", "online_dpo")
+# the stage helpers evaluation.py keeps identical copies of (identity tests in test_ppo.py)
+EVALUATION_COPIES = {"first_true_indices", "truncate_response", "get_reward"}
+
+
+def test_every_online_method_is_measured_in_one_place():
+    """How a policy is evaluated lives once (DESIGN section 1): evaluation.py's functions are defined in
+    no stage, and the online stages sample their final evaluation through the rollout engine, with no
+    HF-generate path or evaluation of their own."""
+    own = set(top_level("evaluation")) - EVALUATION_COPIES
+    for stage in STAGES:
+        assert not own & set(top_level(stage)), (stage, own & set(top_level(stage)))
+    for stage in ONLINE_STAGES:
+        assert not {"evaluate", "validate", "score_responses", "generate", "generation_config",
+                    "without_stop_ids"} & set(top_level(stage)), stage
+        calls = {node.func.id for node in ast.walk(ast.parse(source(stage)))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+        assert {"final_evaluation", "validate"} <= calls, stage
 
 
 @pytest.mark.parametrize("stage", STAGES)

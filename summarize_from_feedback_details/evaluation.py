@@ -1,0 +1,142 @@
+"""How every online method is evaluated, in one place (DESIGN section 1): one yardstick for PPO,
+RLOO, GRPO and online DPO, as they already share one rollout engine. What a method learns stays in
+its stage file; how its policy is measured lives here.
+
+- `validate`: each update, the policy's responses to that update's held-out validation queries
+  (sampled by the stage in the same batched decode as its rollouts) scored by the reward model, and on
+  synthetic data by the gold judge: the over-optimisation curve's two axes (DESIGN section 20).
+- `final_evaluation` (`evaluate_policy` per split): after training (`--run_eval`), every validation
+  and test query sampled through the rollout engine at the evaluation temperature, scored against
+  the reference summaries.
+
+The reward model is read as every stage reads it: at the EOS-truncated response's last real token,
+without the EOS penalty (the paper's evaluation). `truncate_response` and `get_reward` are the
+stages' own helpers, kept equal to theirs by the identity tests (tests/test_run_infra.py lists them).
+"""
+
+import pandas as pd
+import torch
+from accelerate.utils import gather_object
+from torch.utils.data import DataLoader
+
+from summarize_from_feedback_details import packing
+from summarize_from_feedback_details.rollout import SamplingGroup, decode, derived_seed
+from summarize_from_feedback_details.synthetic_tldr import gold_validation_metrics
+
+EVAL_COLUMNS = ["query_token", "reference_response_token"]
+TABLE_COLUMNS = ["query", "postprocessed_response", "reference_responses", "scores", "reference_scores"]
+# derived_seed's first number after the run's seed: 0 rollouts, 1 per-update validation, 2 minibatch
+# permutations (in the stages), 3 the final evaluation
+EVAL_STREAM = 3
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Index of the first True of each row, or the row length when there is none."""
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:
+    """Tokens strictly after the first EOS become pad; the EOS itself stays."""
+    eos_index = first_true_indices(responses == eos_id).unsqueeze(-1)
+    after = torch.arange(responses.shape[1], device=responses.device).view(1, -1) > eos_index
+    return torch.masked_fill(responses, after, pad_id)
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Reward of each row, read at its last non-pad token (the EOS), shape [batch].
+
+    Pad tokens are masked out of attention and positions count real tokens only, so the amount of
+    left or right padding changes nothing, also for models with absolute positions. Unlike the
+    causal-LM `forward` of sft.py, pad ids are NOT replaced by 0 here: HF's sequence-classification
+    head finds the token to read by looking for `config.pad_token_id`, and [PAD] is a valid row of
+    the (resized) embedding whose value is masked out anyway. --packing: real tokens only (packing.py)."""
+    attention_mask = query_responses != pad_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    if packing.is_on(model):
+        return packing.last_token_scores(model, query_responses, attention_mask, position_ids)
+    output = model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False, return_dict=True)
+    return output.logits.squeeze(-1)
+
+
+@torch.no_grad()
+def score_responses(accelerator, reward_model, tokenizer, queries: torch.Tensor, responses: torch.Tensor,
+                    references: torch.Tensor) -> tuple:
+    """`responses` to `queries` truncated after EOS, their reward-model scores (no EOS penalty, as the
+    paper's eval) and the scores of the reference responses; returns (rows, scores, reference_scores)."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    responses = truncate_response(responses, eos_id, pad_id)
+    with accelerator.autocast():
+        scores = get_reward(reward_model, torch.cat([queries, responses], 1), pad_id).float()
+        reference_scores = get_reward(reward_model, torch.cat([queries, references], 1), pad_id).float()
+    rows = [dict(zip(TABLE_COLUMNS, values)) for values in zip(
+        tokenizer.batch_decode(queries, skip_special_tokens=True),
+        tokenizer.batch_decode(responses, skip_special_tokens=True),
+        tokenizer.batch_decode(references, skip_special_tokens=True),
+        scores.tolist(), reference_scores.tolist(),
+    )]
+    return rows, scores, reference_scores
+
+
+def validate(run, reward_model, tokenizer, validation_batch: dict, generated: list, logger, update: int) -> dict:
+    """`objective/validation_score`, the reward model's mean score over all processes of the policy's
+    responses (`generated`, from the batched decode) to this update's validation queries, and on
+    synthetic data the gold judge's `eval/gold/*` of the same responses (the over-optimisation curve:
+    proxy and gold side by side); every `print_sample_output_freq` updates they are saved as
+    `samples_<update>.csv` (full slices on every rank: nothing to de-duplicate, and no dataloader state
+    involved)."""
+    sample_rows, scores, _ = score_responses(run.accelerator, reward_model, tokenizer, validation_batch["query_token"],
+                                             torch.cat([response for response, _ in generated]),
+                                             validation_batch["reference_response_token"])
+    rows = gather_object(sample_rows)
+    freq = run.args.print_sample_output_freq
+    if freq and (update - 1) % freq == 0:
+        table = pd.DataFrame(rows)
+        logger.table(f"samples_{update}", table)
+        run.print(f"update {update}: {table.iloc[0]['postprocessed_response']!r} (score {table.iloc[0]['scores']:.3f})")
+    return {"objective/validation_score": run.accelerator.gather(scores).mean().item(), **gold_validation_metrics(rows)}
+
+
+def final_eval_group(queries: torch.Tensor, temperature: float, seed: int, batch: int, accelerator) -> SamplingGroup:
+    """The evaluation dataloader's batch `batch` on this process: accelerate deals a split's batches out
+    round-robin, so it is the split's batch `batch * processes + rank`, and its sampling noise comes
+    from that place alone (one process and N processes draw the same responses, whatever training
+    drew from the global generator before)."""
+    place = batch * accelerator.num_processes + accelerator.process_index
+    return SamplingGroup(queries, temperature, derived_seed(seed, EVAL_STREAM, place))
+
+
+def evaluate_policy(accelerator, policy, reward_model, tokenizer, dataloader, temperature: float, response_length: int,
+             seed: int) -> tuple:
+    """The whole split sampled through the rollout engine at `temperature` (eagerly: one batch shape
+    per split would cost a CUDA-graph compile each), scored by the reward model, gathered without the
+    duplicates that sharding pads the last batch with. Returns (metrics, table)."""
+    rows = []
+    for batch_index, batch in enumerate(dataloader):
+        group = final_eval_group(batch["query_token"], temperature, seed, batch_index, accelerator)
+        with accelerator.autocast():
+            ((responses, _),) = decode(policy, [group], tokenizer.pad_token_id, response_length)
+        local_rows, _, _ = score_responses(accelerator, reward_model, tokenizer, batch["query_token"], responses,
+                                           batch["reference_response_token"])
+        rows += accelerator.gather_for_metrics(local_rows, use_gather_object=True)
+    table = pd.DataFrame(rows, columns=TABLE_COLUMNS)
+    metrics = {"scores": float(table["scores"].mean()), "reference_scores": float(table["reference_scores"].mean()),
+               "rm_win_rate": float((table["scores"] > table["reference_scores"]).mean())}
+    return metrics, table
+
+
+def final_evaluation(run, policy, reward_model, tokenizer, dataset, logger) -> None:
+    """`--run_eval` after training: `evaluate_policy` on the validation and test splits (those `dataset` has),
+    logged as `eval/<split>/*` at the last update, the tables saved as `<split>_table.csv`."""
+    args, accelerator = run.args, run.accelerator
+    for split in [s for s in ("validation", "test") if s in dataset] if args.run_eval else []:
+        loader = accelerator.prepare(DataLoader(dataset[split].with_format("torch", columns=EVAL_COLUMNS),
+                                                batch_size=args.local_eval_batch_size))
+        metrics, table = evaluate_policy(accelerator, policy, reward_model, tokenizer, run.progress(
+            loader, len(loader), f"eval {split}", stoppable=True), args.eval_temperature, args.response_length,
+            args.seed)
+        logger.log({f"eval/{split}/{key}": value for key, value in metrics.items()}, args.num_updates)
+        logger.table(f"{split}_table", table)
+        run.print(f"{split}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
