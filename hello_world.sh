@@ -99,8 +99,10 @@ wanted() { [[ " ${algos[*]+"${algos[*]}"} " == *" $1 "* ]]; }
 # --- the embedded default ------------------------------------------------------------------------
 RAW_DIR=data/raw                  # synthetic raw files in the upstream schemas
 # BASE_MODELS_DIR (above): <prefix>-tiny-{s,m,l}, one shared tokenizer; each size built when first used
-PPO_UPDATES=${PPO_UPDATES:-15}    # of 64 rollouts each (the paper: 1953 of 512; docs/embedded_default.md: why 15)
-DPO_PAIRS=${DPO_PAIRS:-6000}      # DPO's one pass: this many of the preference pairs (the reward model takes all)
+# the stage settings, shared with the sbatch chain's TINY=1
+source sbatches/tiny_default.sh
+PPO_UPDATES=${PPO_UPDATES:-$TINY_PPO_UPDATES}  # of 64 rollouts (the paper: 1953 of 512; embedded_default.md: why 15)
+DPO_PAIRS=${DPO_PAIRS:-$TINY_DPO_PAIRS}        # DPO's one pass over this many pairs (the reward model takes all)
 # Lengths of the tiny default (the paper: 512 / 53 / 562 / 169 / 638 and 1919 / 155 / 2021).
 TINY_LENGTHS=(
     --tldr_params.length 160
@@ -257,8 +259,8 @@ if [[ $TINY == 1 ]]; then
     #   over a one-wrong-fact summary 0.57 vs 0.53; PPO's gold win rate 0.253 vs 0.228 from the other);
     # - the policy's SFT, loss over the summary only: a tiny model then spends its capacity on
     #   copying the post's facts (ROUGE-L 0.55 vs 0.47, gold-judge score 2.7 vs 0.4).
-    TINY_SFT=(--base_model "$MODEL" --query_dataset $DATASET_DIR/sft --lr 3e-3 --local_micro_batch_size 32
-              --gradient_accumulation_steps 1 --local_eval_batch_size 100 --response_length 32)
+    TINY_SFT=(--base_model "$MODEL" --query_dataset $DATASET_DIR/sft "${TINY_SFT_FLAGS[@]}"
+              --local_micro_batch_size "$TINY_SFT_BATCH" --gradient_accumulation_steps 1)
     run_stage "sft.py (all tokens: the reward model's backbone)" $OUT_DIR/sft_all_tokens/model.safetensors \
         run_training sft_all_tokens sft.py "${TINY_SFT[@]}" --exp_name sft_all_tokens --output_dir $OUT_DIR/sft_all_tokens
     run_stage "sft.py (summary tokens: the policy)" $OUT_DIR/sft/model.safetensors \
@@ -266,16 +268,16 @@ if [[ $TINY == 1 ]]; then
     # Two epochs of the preference pairs at batch 32: with one, one reward model in three that
     # make compare trained let PPO state wrong optional facts (docs/embedded_default.md).
     RM_ARGS=(--base_model "$MODEL" --sft_model_path $OUT_DIR/sft_all_tokens --label_dataset $DATASET_DIR/preference
-             --query_dataset $DATASET_DIR/sft --lr 1e-3 --local_micro_batch_size 32 --gradient_accumulation_steps 1
-             --num_train_epochs 2 --local_eval_batch_size 100)
+             --query_dataset $DATASET_DIR/sft "${TINY_RM_FLAGS[@]}" --local_micro_batch_size "$TINY_RM_BATCH"
+             --gradient_accumulation_steps 1)
     run_stage "reward.py" $OUT_DIR/reward_model/model.safetensors \
         run_training reward reward.py "${RM_ARGS[@]}" --output_dir $OUT_DIR/reward_model
     # PPO_UPDATES updates of 64 rollouts, otherwise the paper's settings. The longest reference
     # summary of the tiny default is 24 tokens, hence 32 new tokens instead of 53.
-    PPO_ARGS=(--base_model "$MODEL" --sft_model_path $OUT_DIR/sft --query_dataset $DATASET_DIR/sft --lr 1e-4
-              --total_episodes $((PPO_UPDATES * 64)) --local_micro_batch_size 16 --gradient_accumulation_steps 4
-              --local_rollout_forward_batch_size 64 --local_eval_batch_size 16 --print_sample_output_freq 10
-              --response_length 32)
+    PPO_BUDGET=(--total_episodes $((PPO_UPDATES * TINY_PPO_BATCH)) --local_micro_batch_size "$TINY_PPO_MICRO_BATCH"
+                --gradient_accumulation_steps $((TINY_PPO_BATCH / TINY_PPO_MICRO_BATCH)) "${TINY_PPO_FLAGS[@]}")
+    PPO_ARGS=(--base_model "$MODEL" --sft_model_path $OUT_DIR/sft --query_dataset $DATASET_DIR/sft
+              --local_rollout_forward_batch_size "$TINY_PPO_BATCH" "${PPO_BUDGET[@]}")
     ! wanted ppo || run_stage "ppo_left_padding.py" $OUT_DIR/ppo/model.safetensors \
         run_training ppo ppo_left_padding.py "${PPO_ARGS[@]}" --reward_model_path $OUT_DIR/reward_model \
             --output_dir $OUT_DIR/ppo
@@ -285,13 +287,11 @@ if [[ $TINY == 1 ]]; then
     ! wanted dpo || run_stage "dpo.py" $OUT_DIR/dpo/model.safetensors \
         run_training dpo dpo.py --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
             --label_dataset $DATASET_DIR/preference --query_dataset $DATASET_DIR/sft \
-            --output_dir $OUT_DIR/dpo --lr 1e-4 --local_micro_batch_size 32 --gradient_accumulation_steps 1 \
-            --local_eval_batch_size 100 --response_length 32 --total_episodes "$DPO_PAIRS"
+            --output_dir $OUT_DIR/dpo "${TINY_DPO_FLAGS[@]}" --local_micro_batch_size "$TINY_DPO_BATCH" \
+            --gradient_accumulation_steps 1 --total_episodes "$DPO_PAIRS"
     # RLOO, GRPO and online DPO at PPO's budget: PPO_UPDATES updates of 64 episodes (a query with its
     # k samples: 32 queries x 2 or 16 x 4), PPO's lr, lengths and micro batches.
-    run_online_methods 64 64 --lr 1e-4 --total_episodes $((PPO_UPDATES * 64)) --local_micro_batch_size 16 \
-        --gradient_accumulation_steps 4 --local_eval_batch_size 16 --print_sample_output_freq 10 \
-        --response_length 32
+    run_online_methods "$TINY_PPO_BATCH" "$TINY_PPO_BATCH" "${PPO_BUDGET[@]}"
 else
     # The paper's pipeline: hub data tokenized for MODEL with the paper's lengths, one SFT (loss
     # over every token) that is both the policy and the reward model's backbone, lr 3e-6 everywhere.

@@ -111,6 +111,8 @@ RESUME=${RESUME:-auto}
 
 REPO=${SLURM_SUBMIT_DIR:-$PWD}
 TINY=${TINY:-0}
+# shellcheck source=sbatches/tiny_default.sh
+source "$REPO/sbatches/tiny_default.sh"  # TINY=1's stage settings, hello_world.sh's own
 if [[ $TINY == 1 ]]; then
     MODELS=${MODELS:-models/tiny/pythia-tiny-s}
     SEEDS=${SEEDS:-"1 2"}

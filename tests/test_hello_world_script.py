@@ -43,6 +43,7 @@ def executable(path, text):
 @pytest.fixture
 def checkout(tmp_path):
     shutil.copy(os.path.join(ROOT, "hello_world.sh"), tmp_path / "hello_world.sh")
+    shutil.copytree(os.path.join(ROOT, "sbatches"), tmp_path / "sbatches")  # the tiny default's settings
     for name in (".venv/bin/python", ".venv/bin/accelerate", "bin/make"):
         executable(tmp_path / name, RECORDER)
     return tmp_path

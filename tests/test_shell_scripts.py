@@ -32,7 +32,7 @@ ONLINE_SBATCHES = ("rloo.sbatch", "online_dpo.sbatch")  # beside PPO, after the 
 # the scripts a user runs on a login or compute node. tests/slurm/test_sbatch_chain.sh is not one:
 # it runs as root on a Debian machine with its bash 5.
 SCRIPTS = ("hello_world.sh", "scaling.sh", "compare.sh", "sweep_args.sh", "sbatches/common.sh",
-           *(f"sbatches/{name}" for name in SBATCHES + ONLINE_SBATCHES))
+           "sbatches/tiny_default.sh", *(f"sbatches/{name}" for name in SBATCHES + ONLINE_SBATCHES))
 
 # --- the static check ------------------------------------------------------------------------------
 GUARDED = re.compile(r'\$\{(\w+)\[([@*])\]\+"\$\{\1\[\2\]\}"\}')  # ${a[@]+"${a[@]}"}
@@ -591,6 +591,7 @@ def test_tiny_sbatch_chain_runs_hello_worlds_settings(repo, tmp_path):
     checkout = tmp_path / "checkout"
     checkout.mkdir()
     shutil.copy(os.path.join(ROOT, "hello_world.sh"), checkout / "hello_world.sh")
+    shutil.copytree(os.path.join(ROOT, "sbatches"), checkout / "sbatches")  # tiny_default.sh: the one source
     for name in (".venv/bin/python", ".venv/bin/accelerate", "bin/make"):
         hello_world_wiring.executable(checkout / name, hello_world_wiring.RECORDER)
     # every method but the control, which compare.sh runs through hello_world.sh only

@@ -1,0 +1,24 @@
+# shellcheck shell=bash disable=SC2034  # sourced: hello_world.sh and sbatches/common.sh read it
+# The embedded default's stage settings, in one place: ./hello_world.sh on the tiny models and the
+# sbatch chain with TINY=1 (what scaling.sh submits to a cluster) both read them, so the two run the
+# same stages with the same hyperparameters by construction. Batches are global (over all
+# processes): hello_world.sh runs one process, the sbatch files split a batch over the nodes'
+# processes. Why each value: the comments at hello_world.sh's stages and docs/embedded_default.md.
+
+# two SFT runs (all tokens: the reward model's backbone; summary tokens: the policy), one epoch of
+# the 6,000 SFT rows each
+TINY_SFT_BATCH=32
+TINY_SFT_FLAGS=(--lr 3e-3 --response_length 32 --local_eval_batch_size 100)
+# the reward model: two epochs of the preference pairs, from the all-tokens SFT
+TINY_RM_BATCH=32
+TINY_RM_FLAGS=(--lr 1e-3 --num_train_epochs 2 --local_eval_batch_size 100)
+# PPO: TINY_PPO_UPDATES updates of TINY_PPO_BATCH rollouts in micro-batches of TINY_PPO_MICRO_BATCH;
+# RLOO, GRPO and online DPO run at the same budget with the same flags (episodes = queries x samples)
+TINY_PPO_BATCH=64
+TINY_PPO_MICRO_BATCH=16
+TINY_PPO_UPDATES=15
+TINY_PPO_FLAGS=(--lr 1e-4 --response_length 32 --local_eval_batch_size 16 --print_sample_output_freq 10)
+# DPO: one pass over TINY_DPO_PAIRS of the preference pairs
+TINY_DPO_BATCH=32
+TINY_DPO_PAIRS=6000
+TINY_DPO_FLAGS=(--lr 1e-4 --response_length 32 --local_eval_batch_size 100)
