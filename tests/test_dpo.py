@@ -1,4 +1,3 @@
-import inspect
 import json
 import math
 import os
@@ -440,21 +439,6 @@ def test_clear_errors(tiny_datasets, models_dir, tmp_path):
     fails(ValueError, "--offload puts the frozen models on DeepSpeed", offload=True)
     fails(ValueError, "--beta must be > 0", beta=0.0)
     fails(FileNotFoundError, "/no/such/sft does not exist", sft_model_path="/no/such/sft")
-
-
-# ---------------------------------------------------------------------------------------------
-# algorithm helpers repeated from the other stages on purpose (what can change a result stays in the stage)
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("module,name", [
-    *((sft, n) for n in ("derive_batch_sizes", "epoch_permutations", "first_true_indices", "truncate_response",
-                         "forward", "generation_config", "without_stop_ids", "generate", "response_window")),
-    (reward, "pair_table"),
-    (reward, "accuracy_breakdown"),
-])
-def test_copies_of_other_stages_helpers_are_identical(module, name):
-    assert inspect.getsource(getattr(dpo, name)) == inspect.getsource(getattr(module, name))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ exact resume, an lr=0 update and GRPO."""
 
 import functools
 import glob
-import inspect
 import json
 import math
 import os
@@ -19,25 +18,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, run_in_process, run_script,
                       signal_on_call, without_rates, side_by_side)
-from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import rloo, rollout, run_infra
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "rloo.py")
 DS_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_zero2_cpu.yaml")
-# the helpers rloo.py shares with PPO: copies, kept identical (DESIGN section 1)
-COPIED_FROM_PPO = ("epoch_permutations", "first_true_indices", "truncate_response", "forward", "scaled_logits",
-                   "gather_logprobs", "entropy_from_logits", "response_logits", "get_reward", "response_masks",
-                   "penalize_missing_eos", "cycling_slice", "minibatch_rows")
-
-
-@pytest.mark.parametrize("name", COPIED_FROM_PPO)
-def test_copies_of_ppo_helpers_are_identical(name):
-    assert inspect.getsource(getattr(rloo, name)) == inspect.getsource(getattr(ppo, name))
-    assert rloo.QUERY_COLUMNS == ppo.QUERY_COLUMNS
-
-
 # ---------------------------------------------------------------------------------------------
 # known answers
 # ---------------------------------------------------------------------------------------------

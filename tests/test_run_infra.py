@@ -2,6 +2,8 @@
 sitting, define none of it and repeat none of it; and known answers of the pieces the stages call."""
 
 import ast
+import importlib
+import inspect
 import json
 import os
 import pathlib
@@ -22,13 +24,28 @@ SHARED = ("run_infra", "rollout")
 BUDGETS = {"sft": (500, 150), "reward": (600, 150), "dpo": (600, 150), "ppo_left_padding": (850, 220),
            "rloo": (800, 200), "online_dpo": (650, 180)}
 PPO_LOOP_BUDGET = 160
-# the small algorithm helpers that stay copied in each stage that uses them (what can change a result
-# stays in the stage); the identity tests in test_reward.py, test_dpo.py and test_ppo.py keep the copies equal
-COPIED_ALGORITHM_HELPERS = {"derive_batch_sizes", "epoch_permutations", "first_true_indices", "truncate_response",
-                            "forward", "generation_config", "without_stop_ids", "generate", "get_reward",
-                            "pair_table", "accuracy_breakdown", "cycling_slice", "entropy_from_logits",
-                            "gather_logprobs", "minibatch_rows", "penalize_missing_eos", "response_logits",
-                            "response_masks", "scaled_logits", "response_window", "dpo_losses", "implicit_rewards"}
+# Every copy of a small algorithm helper, in one place: what can change a result stays in each stage
+# that uses it (DESIGN section 1), word for word equal to the module it was copied from
+# (test_copied_helpers_are_identical). (module holding the copies, module copied from, helpers)
+IDENTICAL_COPIES = [
+    ("reward", "sft", ("derive_batch_sizes", "epoch_permutations")),
+    ("dpo", "sft", ("derive_batch_sizes", "epoch_permutations", "first_true_indices", "truncate_response", "forward",
+                    "generation_config", "without_stop_ids", "generate", "response_window")),
+    ("dpo", "reward", ("pair_table", "accuracy_breakdown")),
+    ("ppo_left_padding", "sft", ("epoch_permutations", "first_true_indices", "truncate_response", "forward")),
+    ("ppo_left_padding", "reward", ("get_reward",)),
+    ("rloo", "ppo_left_padding", ("epoch_permutations", "first_true_indices", "truncate_response", "forward",
+                                  "scaled_logits", "gather_logprobs", "entropy_from_logits", "response_logits",
+                                  "get_reward", "response_masks", "penalize_missing_eos", "cycling_slice",
+                                  "minibatch_rows", "QUERY_COLUMNS")),
+    ("online_dpo", "ppo_left_padding", ("epoch_permutations", "first_true_indices", "truncate_response", "forward",
+                                        "scaled_logits", "gather_logprobs", "response_logits", "get_reward",
+                                        "penalize_missing_eos", "cycling_slice", "QUERY_COLUMNS")),
+    ("online_dpo", "dpo", ("dpo_losses", "implicit_rewards")),
+    ("evaluation", "sft", ("first_true_indices", "truncate_response")),
+    ("evaluation", "reward", ("get_reward",)),
+]
+COPIED_ALGORITHM_HELPERS = {name for copy, _, names in IDENTICAL_COPIES if copy in STAGES for name in names}
 # names every stage defines for itself (different code under one name)
 OWN_IN_EVERY_STAGE = {"Args", "main", "evaluate"}
 # calls that build run infrastructure: a stage makes none of them itself, it calls run_infra
@@ -112,8 +129,38 @@ def test_run_infrastructure_is_defined_in_one_file():
 
 
 ONLINE_STAGES = ("ppo_left_padding", "rloo", "online_dpo")
-# the stage helpers evaluation.py keeps identical copies of (identity tests in test_ppo.py)
-EVALUATION_COPIES = {"first_true_indices", "truncate_response", "get_reward"}
+EVALUATION_COPIES = {name for copy, _, names in IDENTICAL_COPIES if copy == "evaluation" for name in names}
+
+
+def module(name: str):
+    return importlib.import_module(f"summarize_from_feedback_details.{name}")
+
+
+@pytest.mark.parametrize("copy,original,name", [(c, o, n) for c, o, names in IDENTICAL_COPIES for n in names],
+                         ids=lambda value: value if isinstance(value, str) else None)
+def test_copied_helpers_are_identical(copy, original, name):
+    ours, theirs = getattr(module(copy), name), getattr(module(original), name)
+    if inspect.isfunction(ours) or inspect.isclass(ours):
+        assert inspect.getsource(ours) == inspect.getsource(theirs)
+    else:  # a constant
+        assert ours == theirs
+
+
+def test_every_copied_helper_is_in_the_table():
+    """A helper defined in two modules of the package (stages and evaluation.py) is in IDENTICAL_COPIES,
+    so no copy drifts untested."""
+    listed = {(copy, name) for copy, _, names in IDENTICAL_COPIES for name in names} | \
+        {(original, name) for _, original, names in IDENTICAL_COPIES for name in names}
+    # each online stage's batch arithmetic (rollouts, samples per query) is its own, under the name of
+    # the one sft, reward and dpo share
+    listed |= {(stage, "derive_batch_sizes") for stage in ONLINE_STAGES}
+    defined_in = {}
+    for name in STAGES + ("evaluation",):
+        for helper in set(top_level(name)) - OWN_IN_EVERY_STAGE:
+            defined_in.setdefault(helper, []).append(name)
+    for helper, modules in defined_in.items():
+        if len(modules) > 1:
+            assert all((m, helper) in listed for m in modules), (helper, modules)
 
 
 def test_every_online_method_is_measured_in_one_place():
