@@ -67,31 +67,31 @@ from torch.utils.data import DataLoader
 from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.evaluation import final_evaluation, validate
 from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches, derived_seed
-from summarize_from_feedback_details.run_infra import (PhaseTimer, describe_frozen, enable_gradient_checkpointing,
-                                                       frozen_dtype, load_policy, load_reward_model, load_split_dataset,
-                                                       load_tokenizer, make_optimizer, prepare_frozen, quantization,
-                                                       reference_policy, require_splits, start_run,
-                                                       trainable_parameters, with_lora)
+from summarize_from_feedback_details.run_infra import (PhaseTimer, Resumable, describe_frozen,
+                                                       enable_gradient_checkpointing, frozen_dtype, load_policy,
+                                                       load_reward_model, load_split_dataset, load_tokenizer,
+                                                       make_optimizer, prepare_frozen, quantization, reference_policy,
+                                                       require_splits, start_run, trainable_parameters, with_lora)
 
 
 @dataclass
 class Args:
     # common
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    exp_name: Resumable[str] = os.path.basename(__file__)[: -len(".py")]
     """name of the experiment: the start of the run name and, with --push_to_hub, part of the repo name"""
     seed: int = 1
     """global seed: query order, sampling, and each process's seeds (seed + rank * 100003)"""
-    run_name: Optional[str] = None
+    run_name: Resumable[Optional[str]] = None
     """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
-    deepspeed: bool = False
+    deepspeed: Resumable[bool] = False
     """assert that accelerate runs DeepSpeed (ZeRO-2 for the policy) and give it our batch sizes"""
-    offload: bool = False
+    offload: Resumable[bool] = False
     """DeepSpeed only: the frozen reference policy and reward model as ZeRO-3 engines with their
     parameters offloaded to CPU"""
-    run_eval: bool = False
+    run_eval: Resumable[bool] = False
     """after training: every validation and test query sampled through the rollout engine at
     `eval_temperature`, scored against the references (evaluation.py), saved as `<split>_table.csv`"""
-    print_sample_output_freq: int = 220
+    print_sample_output_freq: Resumable[int] = 220
     """every this many updates (starting with the first), save the validation samples of the update as
     `samples_<update>.csv` (0: never)"""
 
@@ -110,12 +110,12 @@ class Args:
 
     # batch sizes, in episodes (a post and one sampled response; each post gives two): local_batch_size =
     # local_micro_batch_size * gradient_accumulation_steps, batch_size = local_batch_size * world_size
-    gradient_accumulation_steps: int = 32
+    gradient_accumulation_steps: Resumable[int] = 32
     """micro-batches per update on each process (one optimizer step per update)"""
-    local_micro_batch_size: int = 2
+    local_micro_batch_size: Resumable[int] = 2
     """episodes per forward/backward on each process, an even number: the two samples of a post (the
     chosen and the rejected) go through one forward. A memory knob: the update does not change"""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Resumable[bool] = False
     """recompute the policy's activations in the backward pass: less memory, more compute, the same update"""
 
     # LoRA and 4-bit base weights (DESIGN.md section 18)
@@ -137,7 +137,7 @@ class Args:
     full-precision base (QLoRA's usual export)"""
     total_episodes: int = 1_000_000
     """episodes of the whole run (PPO's budget: 1M); num_updates = this // batch_size"""
-    local_eval_batch_size: int = 2
+    local_eval_batch_size: Resumable[int] = 2
     """queries per process for the per-update validation score and in the final eval"""
     local_rollout_forward_batch_size: int = 32
     """queries per generation chunk (each sampled twice, from two seeded generators) and per reward
@@ -145,7 +145,7 @@ class Args:
     Each chunk's sampling noise is seeded by its position in the global batch, so the process count
     does not change the samples, but this knob changes which responses are drawn (not their
     distribution): keep it fixed when comparing runs sample for sample"""
-    local_generation_batch_size: Optional[int] = None
+    local_generation_batch_size: Resumable[Optional[int]] = None
     """rows per batched decode: the update's validation chunks and rollout chunks, packed whole in that
     order (default: the validation queries plus one chunk's two samples). A memory knob: each chunk
     samples from its own seeded generator, so it changes no sample"""
@@ -153,10 +153,10 @@ class Args:
     """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
     compile_train: bool = False
     """the packed forwards (and backward) of the trained model(s) under torch.compile (packing.py)"""
-    compile_decode: bool = True
+    compile_decode: Resumable[bool] = True
     """on a GPU, run the decode step under torch.compile with CUDA graphs (mode reduce-overhead) when the
     weights are in the compute dtype; CPU runs, and autocast over fp32 weights, decode eagerly"""
-    free_decode_cache: bool = False
+    free_decode_cache: Resumable[bool] = False
     """with the compiled decode: free its static KV cache after each rollout, before the DPO step, at
     the cost of recording the CUDA graphs again every update"""
 
@@ -192,16 +192,16 @@ class Args:
     """the IPO loss (h - 1 / (2 beta))^2 instead of DPO's"""
 
     # checkpoints (DESIGN section 15): in `<output_dir>/checkpoints`
-    checkpoint_every: int = 0
+    checkpoint_every: Resumable[int] = 0
     """also save a checkpoint every this many updates (0: only on SIGTERM / SIGUSR1)"""
-    keep_checkpoints: int = 1
+    keep_checkpoints: Resumable[int] = 1
     """the newest checkpoints to keep"""
-    resume: bool = False
+    resume: Resumable[bool] = False
     """continue from the newest checkpoint (the same stage, seed and batch arithmetic; any process count)"""
-    accept_changed_settings: bool = False
+    accept_changed_settings: Resumable[bool] = False
     """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
     from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
-    on_nonfinite: Literal["stop", "skip"] = "stop"
+    on_nonfinite: Resumable[Literal["stop", "skip"]] = "stop"
     """what a non-finite loss, gradient norm or rollout score does: `stop` ends the run (exit 1) naming the
     update, phase and tensor, saves no model and keeps the last checkpoint; `skip` skips that optimizer
     step (a rollout's: its update) and counts it (`nonfinite/skipped`)"""
@@ -211,23 +211,23 @@ class Args:
     length off the first update's by more than the fraction F"""
 
     # tracking and output
-    track: bool = False
+    track: Resumable[bool] = False
     """also log to Weights & Biases (TensorBoard events and metrics.jsonl in runs/<run_name> are always written)"""
-    wandb_project_name: str = "tldr_summarize"
+    wandb_project_name: Resumable[str] = "tldr_summarize"
     """the wandb project of --track"""
-    wandb_entity: Optional[str] = None
+    wandb_entity: Resumable[Optional[str]] = None
     """the wandb team or user of --track (None: your default entity)"""
-    push_to_hub: bool = False
+    push_to_hub: Resumable[bool] = False
     """upload the saved policy to <hf_entity>/<base_model>__<exp_name>__tldr, revision <run_name> (else no hub call)"""
-    hf_entity: Optional[str] = None
+    hf_entity: Resumable[Optional[str]] = None
     """the hub user or organisation of --push_to_hub (None: the logged-in user)"""
-    output_dir: str = "models/online_dpo_model"
+    output_dir: Resumable[str] = "models/online_dpo_model"
     """where the trained policy goes, with checkpoints/ inside ("" saves nothing)"""
 
     # filled in at run time, not flags: a value given for one would be overwritten without a word
-    world_size: tyro.conf.Suppress[Optional[int]] = None
+    world_size: Resumable[tyro.conf.Suppress[Optional[int]]] = None
     """derived: the number of processes"""
-    local_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    local_batch_size: Resumable[tyro.conf.Suppress[Optional[int]]] = None
     """derived: local_micro_batch_size x gradient_accumulation_steps, episodes per process and update"""
     batch_size: tyro.conf.Suppress[Optional[int]] = None
     """derived: local_batch_size x world_size, episodes per update (the defaults on 8 processes: 512 =

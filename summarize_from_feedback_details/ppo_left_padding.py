@@ -54,11 +54,11 @@ from torch.utils.data import DataLoader
 from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.evaluation import final_evaluation, validate
 from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches, derived_seed
-from summarize_from_feedback_details.run_infra import (PhaseTimer, describe_frozen, enable_gradient_checkpointing,
-                                                       frozen_dtype, gather_global, load_policy, load_reward_model,
-                                                       load_split_dataset, load_tokenizer, make_optimizer,
-                                                       prepare_frozen, quantization, reference_policy, start_run,
-                                                       trainable_parameters, with_lora)
+from summarize_from_feedback_details.run_infra import (PhaseTimer, Resumable, describe_frozen,
+                                                       enable_gradient_checkpointing, frozen_dtype, gather_global,
+                                                       load_policy, load_reward_model, load_split_dataset,
+                                                       load_tokenizer, make_optimizer, prepare_frozen, quantization,
+                                                       reference_policy, start_run, trainable_parameters, with_lora)
 
 
 @dataclass
@@ -97,21 +97,21 @@ class PpoHParams:
 @dataclass
 class Args:
     # common
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    exp_name: Resumable[str] = os.path.basename(__file__)[: -len(".py")]
     """name of the experiment: the start of the run name and, with --push_to_hub, part of the repo name"""
     seed: int = 1
     """global seed: query order, sampling, minibatches, and each process's seeds (seed + rank * 100003)"""
-    run_name: Optional[str] = None
+    run_name: Resumable[Optional[str]] = None
     """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
-    deepspeed: bool = False
+    deepspeed: Resumable[bool] = False
     """assert that accelerate runs DeepSpeed (ZeRO-2 for policy + critic) and give it our batch sizes"""
-    offload: bool = False
+    offload: Resumable[bool] = False
     """DeepSpeed only: the frozen reference policy and reward model as ZeRO-3 engines with their
     parameters offloaded to CPU (the paper did this for 6.9B)"""
-    run_eval: bool = False
+    run_eval: Resumable[bool] = False
     """after training: every validation and test query sampled through the rollout engine at
     `eval_temperature`, scored against the references (evaluation.py), saved as `<split>_table.csv`"""
-    print_sample_output_freq: int = 220
+    print_sample_output_freq: Resumable[int] = 220
     """every this many updates (starting with the first), save the validation samples of the update as
     `samples_<update>.csv` (0: never)"""
 
@@ -130,14 +130,14 @@ class Args:
 
     # batch sizes, in episodes (queries): local_batch_size = local_micro_batch_size *
     # gradient_accumulation_steps * nminibatches, batch_size = local_batch_size * world_size
-    gradient_accumulation_steps: int = 64
+    gradient_accumulation_steps: Resumable[int] = 64
     """micro-batches per minibatch (one optimizer step per minibatch)"""
-    local_micro_batch_size: int = 1
+    local_micro_batch_size: Resumable[int] = 1
     """episodes per forward/backward in the PPO epochs on each process: a memory knob (with the default
     --ppo.loss_normalization the update does not change)"""
     nminibatches: int = 1
     """minibatches (optimizer steps) per PPO epoch"""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Resumable[bool] = False
     """recompute the policy's and critic's activations in the backward pass: less memory, about a third
     more compute in the PPO epochs, the same update"""
 
@@ -160,14 +160,14 @@ class Args:
     full-precision base (QLoRA's usual export)"""
     total_episodes: int = 1_000_000
     """episodes (query + sampled response) of the whole run, the paper's 1M; num_updates = this // batch_size"""
-    local_eval_batch_size: int = 2
+    local_eval_batch_size: Resumable[int] = 2
     """queries per process for the per-update validation score and in the final eval"""
     local_rollout_forward_batch_size: int = 64
     """queries per generation / no-grad forward chunk in the rollout and the validation score (must
     divide local_batch_size). Each chunk's sampling noise is seeded by its position in the global
     batch, so the process count does not change the samples, but this knob changes which responses
     are drawn (not their distribution): keep it fixed when comparing runs sample for sample"""
-    local_generation_batch_size: Optional[int] = None
+    local_generation_batch_size: Resumable[Optional[int]] = None
     """queries per batched decode: the update's validation chunks and rollout chunks, packed whole in
     that order (default: the validation queries plus one rollout chunk). A memory knob: each chunk
     samples from its own seeded generator, so it changes no sample"""
@@ -175,11 +175,11 @@ class Args:
     """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
     compile_train: bool = False
     """the packed forwards (and backward) of the trained model(s) under torch.compile (packing.py)"""
-    compile_decode: bool = True
+    compile_decode: Resumable[bool] = True
     """on a GPU, run the decode step under torch.compile with CUDA graphs (mode reduce-overhead) when
     the weights are in the compute dtype (fp32, or bf16/fp16 under DeepSpeed); the first update pays
     the compile. CPU runs, and autocast over fp32 weights, decode eagerly"""
-    free_decode_cache: bool = False
+    free_decode_cache: Resumable[bool] = False
     """with the compiled decode: free its static KV cache after each rollout, before the PPO epochs
     (the first rollout prints its size: 5.0 GiB at Pythia-1B for 72 rows of 565 positions in bf16), at the
     cost of recording the CUDA graphs again every update"""
@@ -207,16 +207,16 @@ class Args:
     """the EOS trick: a rollout response without EOS gets --penalty_reward_value as its score (eval is unpenalised)"""
 
     # checkpoints (DESIGN section 15): in `<output_dir>/checkpoints`
-    checkpoint_every: int = 0
+    checkpoint_every: Resumable[int] = 0
     """also save a checkpoint every this many updates (0: only on SIGTERM / SIGUSR1)"""
-    keep_checkpoints: int = 1
+    keep_checkpoints: Resumable[int] = 1
     """the newest checkpoints to keep"""
-    resume: bool = False
+    resume: Resumable[bool] = False
     """continue from the newest checkpoint (the same stage, seed and batch arithmetic; any process count)"""
-    accept_changed_settings: bool = False
+    accept_changed_settings: Resumable[bool] = False
     """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
     from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
-    on_nonfinite: Literal["stop", "skip"] = "stop"
+    on_nonfinite: Resumable[Literal["stop", "skip"]] = "stop"
     """what a non-finite loss, gradient norm or rollout score, value or advantage does: `stop` ends the run (exit 1)
     naming the update, phase and tensor, saves no model and keeps the last checkpoint; `skip` skips that optimizer
     step (a rollout's: the rest of its update) and counts it (`nonfinite/skipped`)"""
@@ -226,27 +226,27 @@ class Args:
     length off the first update's by more than the fraction F"""
 
     # tracking and output
-    track: bool = False
+    track: Resumable[bool] = False
     """also log to Weights & Biases (TensorBoard events and metrics.jsonl in runs/<run_name> are always written)"""
-    wandb_project_name: str = "tldr_summarize"
+    wandb_project_name: Resumable[str] = "tldr_summarize"
     """the wandb project of --track"""
-    wandb_entity: Optional[str] = None
+    wandb_entity: Resumable[Optional[str]] = None
     """the wandb team or user of --track (None: your default entity)"""
-    push_to_hub: bool = False
+    push_to_hub: Resumable[bool] = False
     """upload the saved policy to <hf_entity>/<base_model>__<exp_name>__tldr, revision <run_name> (else no hub call)"""
-    hf_entity: Optional[str] = None
+    hf_entity: Resumable[Optional[str]] = None
     """the hub user or organisation of --push_to_hub (None: the logged-in user)"""
-    output_dir: str = "models/ppo_model"
+    output_dir: Resumable[str] = "models/ppo_model"
     """where the trained policy goes ("" saves nothing)"""
 
     ppo: PpoHParams = field(default_factory=PpoHParams)
 
     # filled in at run time, not flags: a value given for one would be overwritten without a word
-    world_size: tyro.conf.Suppress[Optional[int]] = None
+    world_size: Resumable[tyro.conf.Suppress[Optional[int]]] = None
     """derived: the number of processes"""
-    local_mini_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    local_mini_batch_size: Resumable[tyro.conf.Suppress[Optional[int]]] = None
     """derived: local_micro_batch_size x gradient_accumulation_steps"""
-    local_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    local_batch_size: Resumable[tyro.conf.Suppress[Optional[int]]] = None
     """derived: local_mini_batch_size x nminibatches, episodes per process and update"""
     mini_batch_size: tyro.conf.Suppress[Optional[int]] = None
     """derived: local_mini_batch_size x world_size"""

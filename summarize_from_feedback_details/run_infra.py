@@ -570,22 +570,33 @@ def lora_identity(args) -> Optional[list]:
     return [args.lora_r, args.lora_alpha, args.lora_target_modules, args.load_in_4bit] if args.use_peft else None
 
 
-# Args a resumed run may change: memory and speed knobs (they change no result), how the run is
-# launched, logged and saved, and what a non-finite value does (a run stopped by one may resume with
-# --on_nonfinite skip); every other field must be the checkpoint's (--accept_changed_settings)
-RESUME_MAY_CHANGE = {"world_size", "local_micro_batch_size", "gradient_accumulation_steps", "local_batch_size",
-                     "local_mini_batch_size", "local_eval_batch_size", "local_generation_batch_size",
-                     "gradient_checkpointing", "deepspeed", "offload", "compile_decode", "free_decode_cache",
-                     "on_nonfinite", "resume", "checkpoint_every", "keep_checkpoints", "accept_changed_settings",
-                     "run_name",
-                     "exp_name", "track", "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity",
-                     "output_dir", "print_sample_output_freq", "run_eval"}
+class MayChangeOnResume:
+    """The mark of an Args field that a resumed run may change: a memory or speed knob (it changes no
+    result), how the run is launched, logged and saved, or what a non-finite value does (a run stopped
+    by one may resume with --on_nonfinite skip). Every other field must be the checkpoint's
+    (--accept_changed_settings). tyro ignores the mark; the flag and its help stay as they are."""
+
+    def __repr__(self) -> str:
+        return "MayChangeOnResume()"
+
+
+_Field = typing.TypeVar("_Field")
+# a stage marks such a field where it declares it: `local_micro_batch_size: Resumable[int] = 16`
+Resumable = typing.Annotated[_Field, MayChangeOnResume()]
+
+
+def resumable_fields(args_type) -> set:
+    """The fields of an Args class marked Resumable."""
+    hints = typing.get_type_hints(args_type, include_extras=True)
+    return {name for name, hint in hints.items()
+            if any(isinstance(mark, MayChangeOnResume) for mark in getattr(hint, "__metadata__", ()))}
 
 
 def run_settings(args) -> dict:
-    """The Args that decide the run's results (all but RESUME_MAY_CHANGE), as JSON values: a checkpoint
+    """The Args that decide the run's results (all but the Resumable fields), as JSON values: a checkpoint
     records them, and a resumed run must keep them."""
-    return {k: v for k, v in json.loads(json.dumps(asdict(args))).items() if k not in RESUME_MAY_CHANGE}
+    may_change = resumable_fields(type(args))
+    return {k: v for k, v in json.loads(json.dumps(asdict(args))).items() if k not in may_change}
 
 
 def changed_settings(saved: dict, current: dict, prefix: str = "") -> list:

@@ -30,26 +30,27 @@ from torch.utils.data import DataLoader
 
 # (run_infra before transformers' optimization module: it quiets the libraries' import noise)
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.run_infra import (PhaseTimer, enable_gradient_checkpointing, load_policy,
-                                                       load_split_dataset, load_tokenizer, make_optimizer, quantization,
-                                                       require_splits, start_run, trainable_parameters, with_lora)
+from summarize_from_feedback_details.run_infra import (PhaseTimer, Resumable, enable_gradient_checkpointing,
+                                                       load_policy, load_split_dataset, load_tokenizer, make_optimizer,
+                                                       quantization, require_splits, start_run, trainable_parameters,
+                                                       with_lora)
 from transformers import GenerationConfig, get_scheduler  # noqa: E402
 
 
 @dataclass
 class Args:
     # common
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    exp_name: Resumable[str] = os.path.basename(__file__)[: -len(".py")]
     """name of the experiment: the start of the run name and, with --push_to_hub, part of the repo name"""
     seed: int = 1
     """global seed: the data order, and each process's python/numpy/torch seed (seed + rank * 100003)"""
-    run_name: Optional[str] = None
+    run_name: Resumable[Optional[str]] = None
     """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
-    deepspeed: bool = False
+    deepspeed: Resumable[bool] = False
     """assert that accelerate runs DeepSpeed and give it our micro-batch size"""
-    run_eval: bool = False
+    run_eval: Resumable[bool] = False
     """after training: validation/test loss, generation at `temperature`, ROUGE, sample tables"""
-    print_sample_output_freq: int = 0
+    print_sample_output_freq: Resumable[int] = 0
     """every this many updates, generate for a few validation queries and log them (0: never)"""
 
     # optimizer
@@ -73,19 +74,19 @@ class Args:
     # batch_size = local_batch_size * world_size
     num_train_epochs: int = 1
     """passes over the train split, when --total_episodes is not given"""
-    gradient_accumulation_steps: int = 16
+    gradient_accumulation_steps: Resumable[int] = 16
     """micro-batches per update on each process (derived from --batch_size when that is given)"""
-    local_micro_batch_size: int = 1
+    local_micro_batch_size: Resumable[int] = 1
     """sequences per forward/backward on each process: a memory knob, the update does not change"""
     batch_size: Optional[int] = None
     """global batch: if given, gradient_accumulation_steps is derived from it (must divide exactly)"""
-    local_eval_batch_size: int = 4
+    local_eval_batch_size: Resumable[int] = 4
     """queries per process in each batch of the eval (loss, generation, ROUGE) and of the sample generation"""
     total_episodes: Optional[int] = None
     """defaults to len(train split) * num_train_epochs; more than one pass reshuffles per pass"""
     packing: bool = True
     """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Resumable[bool] = False
     """recompute activations in the backward pass: less memory, about a third more compute, the same update"""
 
     # LoRA and 4-bit base weights (DESIGN.md section 18)
@@ -122,38 +123,38 @@ class Args:
     """sampling temperature of the eval and the sample generation (the paper's 0.01, nearly greedy)"""
 
     # checkpoints (DESIGN section 15): in `<output_dir>/checkpoints`
-    checkpoint_every: int = 0
+    checkpoint_every: Resumable[int] = 0
     """also save a checkpoint every this many updates (0: only on SIGTERM / SIGUSR1)"""
-    keep_checkpoints: int = 1
+    keep_checkpoints: Resumable[int] = 1
     """the newest checkpoints to keep"""
-    resume: bool = False
+    resume: Resumable[bool] = False
     """continue from the newest checkpoint (the same stage, seed and batch arithmetic; any process count)"""
-    accept_changed_settings: bool = False
+    accept_changed_settings: Resumable[bool] = False
     """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
     from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
-    on_nonfinite: Literal["stop", "skip"] = "stop"
+    on_nonfinite: Resumable[Literal["stop", "skip"]] = "stop"
     """what a non-finite loss or gradient norm does: `stop` ends the run (exit 1) naming the update, phase and
     tensor, saves no model and keeps the last checkpoint; `skip` skips that optimizer step and counts it
     (`nonfinite/skipped`)"""
 
     # tracking and output
-    track: bool = False
+    track: Resumable[bool] = False
     """also log to Weights & Biases (TensorBoard events and metrics.jsonl in runs/<run_name> are always written)"""
-    wandb_project_name: str = "tldr_summarize"
+    wandb_project_name: Resumable[str] = "tldr_summarize"
     """the wandb project of --track"""
-    wandb_entity: Optional[str] = None
+    wandb_entity: Resumable[Optional[str]] = None
     """the wandb team or user of --track (None: your default entity)"""
-    push_to_hub: bool = False
+    push_to_hub: Resumable[bool] = False
     """upload the saved model to <hf_entity>/<base_model>__<exp_name>__tldr, revision <run_name> (else no hub call)"""
-    hf_entity: Optional[str] = None
+    hf_entity: Resumable[Optional[str]] = None
     """the hub user or organisation of --push_to_hub (None: the logged-in user)"""
-    output_dir: str = "models/sft_model"
+    output_dir: Resumable[str] = "models/sft_model"
     """where the trained model and tokenizer are saved, with checkpoints/ inside ("" saves nothing)"""
 
     # filled in at run time, not flags: a value given for one would be overwritten without a word
-    world_size: tyro.conf.Suppress[Optional[int]] = None
+    world_size: Resumable[tyro.conf.Suppress[Optional[int]]] = None
     """derived: the number of processes"""
-    local_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    local_batch_size: Resumable[tyro.conf.Suppress[Optional[int]]] = None
     """derived: local_micro_batch_size x gradient_accumulation_steps"""
     num_updates: tyro.conf.Suppress[Optional[int]] = None
     """derived: total_episodes // batch_size"""

@@ -9,6 +9,7 @@ import os
 import pathlib
 import shutil
 import types
+from typing import Optional
 
 import pytest
 import torch
@@ -340,6 +341,30 @@ def test_gpus_that_torch_cannot_see_stop_a_run(tmp_path, monkeypatch):
     check = subprocess.run([sys.executable, "-m", "summarize_from_feedback_details.check_gpu"], capture_output=True,
                            text=True)
     assert check.returncode == 1 and "torch sees none" in check.stderr
+
+
+def test_what_may_change_on_resume_is_marked_on_the_field():
+    """run_settings (what a checkpoint records and a resume compares) leaves out exactly the fields
+    marked Resumable where they are declared, derived ones included; in every stage the memory knobs
+    and the run's plumbing are marked, and what decides the results is not."""
+    import dataclasses
+
+    import tyro
+
+    @dataclasses.dataclass
+    class Args:
+        lr: float = 1.0
+        local_micro_batch_size: run_infra.Resumable[int] = 2
+        world_size: run_infra.Resumable[tyro.conf.Suppress[Optional[int]]] = None
+
+    assert run_infra.resumable_fields(Args) == {"local_micro_batch_size", "world_size"}
+    assert run_infra.run_settings(Args(local_micro_batch_size=8, world_size=2)) == {"lr": 1.0}
+    knobs = {"local_micro_batch_size", "gradient_accumulation_steps", "local_eval_batch_size", "deepspeed",
+             "gradient_checkpointing", "output_dir", "run_name", "resume", "checkpoint_every", "track", "world_size"}
+    results = {"lr", "seed", "base_model", "query_dataset", "total_episodes", "packing"}
+    for stage in (sft, reward, dpo, ppo_left_padding):
+        marked = run_infra.resumable_fields(stage.Args)
+        assert knobs <= marked and not results & marked, (stage.__name__, knobs - marked, results & marked)
 
 
 def test_changed_settings_known_answer():
