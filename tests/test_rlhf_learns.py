@@ -5,8 +5,7 @@ One small pipeline is trained once for this module, with hello_world.sh's stage 
 has them: the default generator (6,000 SFT posts, 300 validation prompts), tiny-m, the policy's SFT
 on summary tokens, and a reward model. To fit the suite, the reward model starts from the base
 model (pretrained on the posts, as hello_world's all-token SFT is) and learns from 4,000 minimal
-pairs only (`synthetic_tldr.minimal_pair`: what each fact is worth, checked against the post); the
-SFT and the reward models train side by side, one thread each, as the two PPO runs below do. Then:
+pairs only (`synthetic_tldr.minimal_pair`: what each fact is worth, checked against the post). Then:
 - PPO against that reward model for PPO_UPDATES updates beats its SFT policy on the mean gold score,
   paired per validation prompt, with the 95% bootstrap interval over prompts above 0;
 - PPO against the reward model that knows nothing (reward.py --total_episodes 0, `make compare`'s
@@ -15,14 +14,12 @@ A PPO whose advantages have the wrong sign (what a broken GAE, whitening or loss
 fail the first check: SIGN_FLIP_CHECK=1 runs it, and asserts that it does.
 """
 
-import functools
 import os
 import shutil
-import sys
 
 import pandas as pd
 import pytest
-from conftest import command_line_flags, run_in_process, run_script, side_by_side, tiny_dataset_args
+from conftest import run_in_process, tiny_dataset_args
 from datasets import DatasetDict, load_from_disk
 
 from summarize_from_feedback_details import ppo_left_padding as ppo
@@ -31,20 +28,6 @@ from summarize_from_feedback_details.run_infra import TOKENIZER_RECORD
 
 SIZE = "m"
 PPO_UPDATES = 10
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def launch(stage: str, args, workdir: str) -> None:
-    """`stage`'s script with `args` as a user runs it, on one thread: two independent runs go side by
-    side on the 2 cores (tiny models gain little from a second thread)."""
-    script = os.path.join(REPO, "summarize_from_feedback_details", f"{stage}.py")
-    run_script([sys.executable, script, *command_line_flags(args)], workdir, OMP_NUM_THREADS="1")
-
-
-def finish_all(**calls) -> None:
-    """`calls` side by side; a failure of any fails the test that waits for them."""
-    for future in side_by_side(**calls).values():
-        future.result()
 
 
 @pytest.fixture(scope="module")
@@ -64,24 +47,22 @@ def pipeline(tmp_path_factory):
     paths = {"workdir": root, "base_model": base, "query_dataset": os.path.join(data, "sft"),
              "sft": os.path.join(root, "sft"), "reward_model": os.path.join(root, "reward_model"),
              "control_reward_model": os.path.join(root, "reward_model_control")}
+    # hello_world.sh's settings: the policy's SFT on summary tokens
+    run_in_process(sft.main, sft.Args(
+        base_model=base, query_dataset=paths["query_dataset"], lr=3e-3, local_micro_batch_size=32,
+        gradient_accumulation_steps=1, local_eval_batch_size=100, response_length=32, response_only_loss=True,
+        run_eval=True, run_name="sft", output_dir=paths["sft"]), root)
     # the reward models' normalisation reads 1,000 of the 6,000 SFT references (scoring all of them
     # twice took 18 s per reward model; the PPO and control results below came out unchanged)
     references = os.path.join(root, "references")
     DatasetDict(train=load_from_disk(paths["query_dataset"])["train"].select(range(1000))).save_to_disk(references)
     shutil.copy(os.path.join(paths["query_dataset"], TOKENIZER_RECORD), references)
-
-    def reward_models():
-        for name, episodes in (("reward_model", None), ("control_reward_model", 0)):
-            launch("reward", reward.Args(
-                base_model=base, sft_model_path=base, label_dataset=os.path.join(data, "preference"),
-                query_dataset=references, lr=1e-3, local_micro_batch_size=32, gradient_accumulation_steps=1,
-                local_eval_batch_size=100, total_episodes=episodes, run_name=name, output_dir=paths[name]), root)
-
-    # hello_world.sh's settings: the policy's SFT on summary tokens; the reward models beside it
-    finish_all(sft=functools.partial(launch, "sft", sft.Args(
-        base_model=base, query_dataset=paths["query_dataset"], lr=3e-3, local_micro_batch_size=32,
-        gradient_accumulation_steps=1, local_eval_batch_size=100, response_length=32, response_only_loss=True,
-        run_eval=True, run_name="sft", output_dir=paths["sft"]), root), reward_models=reward_models)
+    for name, episodes in (("reward_model", None), ("control_reward_model", 0)):
+        run_in_process(reward.main, reward.Args(
+            base_model=base, sft_model_path=base, label_dataset=os.path.join(data, "preference"),
+            query_dataset=references, lr=1e-3, local_micro_batch_size=32, gradient_accumulation_steps=1,
+            local_eval_batch_size=100, total_episodes=episodes, run_eval=False, run_name=name, output_dir=paths[name]),
+            root)
     return paths
 
 
@@ -96,14 +77,16 @@ def gold_minus_sft(pipeline, run_name: str) -> dict:
     return win_rates.paired_comparison(scores[run_name], scores["sft"])
 
 
-def ppo_args(pipeline, run_name: str, reward_model: str) -> ppo.Args:
-    return ppo.Args(
+def run_ppo(pipeline, run_name: str, reward_model: str) -> dict:
+    run_in_process(ppo.main, ppo.Args(
         base_model=pipeline["base_model"], sft_model_path=pipeline["sft"], reward_model_path=pipeline[reward_model],
         # hello_world's batch of 64 in one micro-batch instead of 16 x 4 (a memory knob: the same PPO +0.413,
         # 43 s instead of 49 s per run)
         query_dataset=pipeline["query_dataset"], lr=1e-4, total_episodes=PPO_UPDATES * 64, local_micro_batch_size=64,
         gradient_accumulation_steps=1, local_rollout_forward_batch_size=64, local_eval_batch_size=100,
-        response_length=32, run_eval=True, run_name=run_name, output_dir=os.path.join(pipeline["workdir"], run_name))
+        response_length=32, run_eval=True, run_name=run_name, output_dir=os.path.join(pipeline["workdir"], run_name)),
+        pipeline["workdir"])
+    return gold_minus_sft(pipeline, run_name)
 
 
 def beats_sft(paired: dict) -> bool:
@@ -111,24 +94,20 @@ def beats_sft(paired: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def ppo_runs(pipeline) -> dict:
-    """PPO against the reward model and against the control, side by side: name -> gold_minus_sft."""
-    runs = {"ppo": "reward_model", "ppo_control": "control_reward_model"}
-    finish_all(**{name: functools.partial(launch, "ppo_left_padding", ppo_args(pipeline, name, reward_model),
-                                          pipeline["workdir"]) for name, reward_model in runs.items()})
-    return {name: gold_minus_sft(pipeline, name) for name in runs}
+def ppo_paired(pipeline) -> dict:
+    return run_ppo(pipeline, "ppo", "reward_model")
 
 
-def test_ppo_beats_sft_on_the_gold_judge(ppo_runs):
-    paired = ppo_runs["ppo"]
+def test_ppo_beats_sft_on_the_gold_judge(ppo_paired):
+    paired = ppo_paired
     print(f"PPO minus SFT, mean gold: {paired['difference']:+.3f} {paired['difference_ci']} ({paired['prompts']} prompts)")
     assert paired["prompts"] == 300 and beats_sft(paired), paired
 
 
-def test_ppo_against_a_reward_model_that_knows_nothing_does_not(ppo_runs):
+def test_ppo_against_a_reward_model_that_knows_nothing_does_not(pipeline, ppo_paired):
     """As `make compare` asks of its control: a mean within 0.05 of SFT's and an interval below PPO's
     (a random reward still moves the policy a little: measured +0.013 [0.003, 0.027] here)."""
-    paired, ppo_paired = ppo_runs["ppo_control"], ppo_runs["ppo"]
+    paired = run_ppo(pipeline, "ppo_control", "control_reward_model")
     print(f"control minus SFT, mean gold: {paired['difference']:+.3f} {paired['difference_ci']}")
     assert paired["difference"] <= 0.05 and paired["difference_ci"][1] < ppo_paired["difference_ci"][0], paired
 
@@ -142,7 +121,6 @@ def test_a_ppo_with_its_advantages_sign_flipped_does_not(pipeline, monkeypatch):
         return -advantages, returns
 
     monkeypatch.setattr(ppo, "compute_advantages", flipped)
-    run_in_process(ppo.main, ppo_args(pipeline, "ppo_flipped", "reward_model"), pipeline["workdir"])
-    paired = gold_minus_sft(pipeline, "ppo_flipped")
+    paired = run_ppo(pipeline, "ppo_flipped", "reward_model")
     print(f"sign-flipped PPO minus SFT, mean gold: {paired['difference']:+.3f} {paired['difference_ci']}")
     assert not beats_sft(paired), paired
