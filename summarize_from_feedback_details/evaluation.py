@@ -108,8 +108,8 @@ def final_eval_group(queries: torch.Tensor, temperature: float, seed: int, batch
     return SamplingGroup(queries, temperature, derived_seed(seed, EVAL_STREAM, place))
 
 
-def evaluate_policy(accelerator, policy, reward_model, tokenizer, dataloader, temperature: float, response_length: int,
-             seed: int) -> tuple:
+def evaluate_policy(accelerator, policy, reward_model, tokenizer, dataloader, temperature: float,
+                    response_length: int, seed: int) -> tuple:
     """The whole split sampled through the rollout engine at `temperature` (eagerly: one batch shape
     per split would cost a CUDA-graph compile each), scored by the reward model, gathered without the
     duplicates that sharding pads the last batch with. Returns (metrics, table)."""
@@ -131,7 +131,9 @@ def final_evaluation(run, policy, reward_model, tokenizer, dataset, logger) -> N
     """`--run_eval` after training: `evaluate_policy` on the validation and test splits (those `dataset` has),
     logged as `eval/<split>/*` at the last update, the tables saved as `<split>_table.csv`."""
     args, accelerator = run.args, run.accelerator
-    for split in [s for s in ("validation", "test") if s in dataset] if args.run_eval else []:
+    if not args.run_eval:
+        return
+    for split in [s for s in ("validation", "test") if s in dataset]:
         loader = accelerator.prepare(DataLoader(dataset[split].with_format("torch", columns=EVAL_COLUMNS),
                                                 batch_size=args.local_eval_batch_size))
         metrics, table = evaluate_policy(accelerator, policy, reward_model, tokenizer, run.progress(
