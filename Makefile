@@ -17,8 +17,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-build-isolation -e . --group dev --group benchmark
 	touch $(STAMP)
 
+# Two pytest-xdist workers, one test module each at a time (a module's trained models are built once),
+# in the order tests/conftest.py gives (the longest modules first), on one torch thread each: the tiny
+# models' small ops run faster on one thread than on two, and two workers keep both cores of a CI
+# machine busy while the other waits on a launched run.
+TEST_WORKERS ?= 2
 test: install
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -m "not gpu"
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) \
+		--dist loadfile --no-loadscope-reorder --durations=20
 
 # Opt-in, needs CUDA (skipped without; stops where nvidia-smi lists GPUs torch cannot see): sft, reward, PPO and DPO on one GPU with bf16 and DeepSpeed
 # ZeRO-2 at Pythia-410m's shape; prints seconds per update and peak GPU memory.

@@ -260,8 +260,8 @@ QUERY_COLUMNS = ("query_token", "reference_response_token")
 # a logprob value for positions after the EOS: policy and reference both get it, so their KL there is 0
 INVALID_LOGPROB = 1.0
 # per (epoch, minibatch) sums accumulated during the PPO epochs, reduced over processes once per update
-STAT_NAMES = ("pg_loss", "vf_loss", "approxkl", "pg_clipfrac", "entropy", "ratio", "ratio_sq", "policy_tokens",
-              "vf_clipfrac", "value_tokens")
+STAT_NAMES = ("pg_loss", "vf_loss", "approxkl", "pg_clipfrac", "entropy", "ratio", "ratio_deviation_sq",
+              "policy_tokens", "vf_clipfrac", "value_tokens")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,7 +479,7 @@ def token_stats(logratio, ratio, pg_clipped, entropy, policy_mask, vf_clipped, v
 
     return torch.stack([
         total(0.5 * logratio ** 2, policy_mask), total(pg_clipped, policy_mask), total(entropy, policy_mask),
-        total(ratio, policy_mask), total(ratio ** 2, policy_mask), policy_mask.sum().float(),
+        total(ratio, policy_mask), total((ratio - 1) ** 2, policy_mask), policy_mask.sum().float(),
         total(vf_clipped, value_mask), value_mask.sum().float(),
     ])
 
@@ -594,8 +594,8 @@ def update_metrics(accelerator, stats: torch.Tensor, kl, non_score_reward, score
         "ppo/val/clipfrac_avg": (stat["vf_clipfrac"] / stat["value_tokens"]).mean().item(),
         "ppo/policy/entropy_avg": (stat["entropy"] / stat["policy_tokens"]).mean().item(),
         "ppo/val/ratio": (stat["ratio"] / stat["policy_tokens"]).mean().item(),
-        # token-level variance of the ratio over all epochs and minibatches
-        "ppo/val/ratio_var": (totals[6] / totals[7] - (totals[5] / totals[7]) ** 2).item(),
+        # the ratio's variance over all epochs and minibatches, from r - 1 (E[r^2] - E[r]^2 cancels in float32)
+        "ppo/val/ratio_var": (totals[6] / totals[7] - (totals[5] / totals[7] - 1) ** 2).item(),
         # the sanity check of the N+ paper: before any step the ratio is 1 and approxkl 0
         "ppo/val/ratio_first_minibatch": (stat["ratio"][0, 0] / stat["policy_tokens"][0, 0]).item(),
         "ppo/policy/approxkl_first_minibatch": (stat["approxkl"][0, 0] / stat["policy_tokens"][0, 0]).item(),

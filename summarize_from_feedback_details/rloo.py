@@ -261,9 +261,10 @@ class Args:
 
 
 QUERY_COLUMNS = ("query_token", "reference_response_token")
-# per (epoch, minibatch) sums accumulated during the training epochs, reduced over processes once per update.
-# `units`: what the ratio is taken on (responses for the sequence ratio, real tokens for a per-token one)
-STAT_NAMES = ("pg_loss", "kl_loss", "approxkl", "clipfrac", "ratio", "ratio_sq", "units", "entropy", "policy_tokens")
+# per (epoch, minibatch) sums over the training epochs, reduced over processes once per update; `units`: what
+# the ratio is taken on (responses for the sequence ratio, real tokens for a per-token one)
+STAT_NAMES = ("pg_loss", "kl_loss", "approxkl", "clipfrac", "ratio", "ratio_deviation_sq", "units", "entropy",
+              "policy_tokens")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,14 +532,14 @@ def policy_objective(new_logprobs: torch.Tensor, logprobs: torch.Tensor, ref_log
 
 
 def ratio_stats(logratio, ratio, clipped, units, entropy, mask) -> torch.Tensor:
-    """Sums of the logged statistics (STAT_NAMES[2:]): the ratio's over its units, the entropy over real
-    tokens. Masked entries are dropped, not multiplied by 0 (an inf stays out)."""
+    """Sums of the logged statistics (STAT_NAMES[2:]): the ratio's over its units (its spread as (r - 1)^2: E[r^2] -
+    E[r]^2 cancels in float32 near 1), the entropy over real tokens; masked entries dropped, not multiplied by 0."""
 
     def total(x, keep):
         return torch.where(keep, x, torch.zeros_like(x)).sum()
 
     return torch.stack([total(0.5 * logratio ** 2, units), total(clipped, units), total(ratio, units),
-                        total(ratio ** 2, units), units.sum().float(), total(entropy, mask), mask.sum().float()])
+                        total((ratio - 1) ** 2, units), units.sum().float(), total(entropy, mask), mask.sum().float()])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,7 +588,7 @@ def rloo_update_metrics(accelerator, stats: torch.Tensor, scores, kl, rewards, a
         "ppo/loss/policy_avg": stat["pg_loss"].mean().item(),
         "ppo/policy/entropy_avg": (stat["entropy"] / stat["policy_tokens"]).mean().item(),
         "ppo/val/ratio": (stat["ratio"] / stat["units"]).mean().item(),
-        "ppo/val/ratio_var": (totals[5] / totals[6] - (totals[4] / totals[6]) ** 2).item(),
+        "ppo/val/ratio_var": (totals[5] / totals[6] - (totals[4] / totals[6] - 1) ** 2).item(),
         # the sanity check of the N+ paper: before any step the ratio is 1 and approxkl 0
         "ppo/val/ratio_first_minibatch": (stat["ratio"][0, 0] / stat["units"][0, 0]).item(),
         "ppo/policy/approxkl_first_minibatch": (stat["approxkl"][0, 0] / stat["units"][0, 0]).item(),
@@ -772,8 +773,7 @@ def main(args: Args) -> None:
             metrics = {
                 **rloo_update_metrics(accelerator, stats, scores, kl, rewards, advantages, logprobs, padding_mask,
                                       contain_eos, sequence_lengths, args, validation_metrics),
-                "ppo/lr": lr_now,
-                "ppo/episode": update * args.batch_size,
+                "ppo/lr": lr_now, "ppo/episode": update * args.batch_size,
                 "ppo/eps": (update - start_update) * args.batch_size / (time.time() - start),
                 # the global batch's query + response positions, and the tokens generated (the validation
                 # queries' responses come from the same decodes)

@@ -880,7 +880,8 @@ class Run:
         checkpoints = Checkpoints(self.args, self.accelerator, model, optimizer, objects, self.identity)
         if self.resumed:
             checkpoints.load(*self.resumed)
-            self.print(f"resumed run {self.args.run_name} from {self.resumed[0]} at update {self.start_update}")
+            self.print(f"resumed run {self.args.run_name} from {self.resumed[0]} at update {self.start_update}",
+                       soft_wrap=True)  # the path stays whole in a log, however long
             if self.changed_settings:
                 self.print(f"[bold yellow]WARNING: resumed with changed settings (--accept_changed_settings): "
                            f"{'; '.join(self.changed_settings)}")
@@ -1483,10 +1484,12 @@ class PhaseTimer:
     the queued kernels at both ends of a phase, so that a phase is charged with its own GPU work, not
     with the previous phase's."""
 
+    clock = staticmethod(time.perf_counter)  # (a test sets a clock of its own, to know every second)
+
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds: dict = {}
-        self.start = time.perf_counter()
+        self.start = self.clock()
 
     def _wait(self) -> None:
         if self.device.type == "cuda":
@@ -1495,19 +1498,19 @@ class PhaseTimer:
     @contextlib.contextmanager
     def __call__(self, phase: str):
         self._wait()
-        start = time.perf_counter()
+        start = self.clock()
         try:
             yield
         finally:
             self._wait()
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + self.clock() - start
 
     def metrics(self, tokens: int, generated_tokens: Optional[int] = None) -> dict:
         """time/<phase>, time/update (seconds since the timer started) and throughput/tokens_per_second:
         `tokens` (positions of the global batch, padding included) per second of the update; with
         `generated_tokens`, throughput/generated_tokens_per_second of the `generation` phase too."""
         self._wait()
-        seconds = time.perf_counter() - self.start
+        seconds = self.clock() - self.start
         metrics = {**{f"time/{phase}": s for phase, s in self.seconds.items()}, "time/update": seconds,
                    "throughput/tokens_per_second": tokens / seconds}
         if generated_tokens is not None:

@@ -1,5 +1,6 @@
 import os
 import pathlib
+import random
 import shutil
 import signal
 import socket
@@ -83,6 +84,19 @@ def tiny_datasets(tmp_path_factory, raw_dir, tokenizer_dir):
     return out, stats
 
 
+# The modules that train the most, in the order they start: two pytest-xdist workers each take one
+# module at a time (make test), so the longest go first and the short ones fill in around them.
+LONGEST_MODULES = ("test_rlhf_learns.py", "test_sft.py", "test_ppo.py", "test_reward.py", "test_dpo.py", "test_gpu.py")
+
+
+def pytest_collection_modifyitems(items):
+    def start(item):
+        name = item.path.name
+        return LONGEST_MODULES.index(name) if name in LONGEST_MODULES else len(LONGEST_MODULES)
+
+    items.sort(key=start)  # (a stable sort: each module's tests keep their order)
+
+
 def is_wall_clock(key: str) -> bool:
     """A metric the wall clock decides (episodes per second, time/ phases, throughput/): it differs
     between runs that are otherwise equal."""
@@ -134,20 +148,29 @@ def checkpoints(models_dir, tmp_path_factory):
 
 _ports_handed_out = set()
 _ports_lock = threading.Lock()
+_ports_random = random.Random()
 
 
 def free_port() -> int:
     """A TCP port nothing listens on now, for a launched run's rendezvous (torchrun's default 29500 is
     taken while any other run is up on this machine), and none handed out before in this session: two
-    launches started side by side must not share one."""
+    launches started side by side must not share one. Drawn below Linux's ephemeral range (32768 up), so
+    no socket the system opens meanwhile takes it; under pytest-xdist each worker draws only the ports of
+    its own residue modulo the number of workers, so two workers never hand out one port."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     with _ports_lock:
         while True:
+            port = _ports_random.randrange(20000 + worker, 32768, workers)
+            if port in _ports_handed_out:
+                continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            if port not in _ports_handed_out:
-                _ports_handed_out.add(port)
-                return port
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:  # taken
+                    continue
+            _ports_handed_out.add(port)
+            return port
 
 
 def side_by_side(**calls) -> dict:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import types
 
 import pandas as pd
 import pytest
@@ -416,6 +417,24 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(base_run,
         files = {os.path.basename(p): open(p).read() for p in glob.glob(os.path.join(workdir, "runs", "base", pattern))}
         assert files and files == {os.path.basename(p): open(p).read()
                                    for p in glob.glob(os.path.join(workdir, "runs", "stopped", pattern))}
+
+
+def test_ratio_var_is_the_variance_of_ratios_near_one():
+    """ppo/val/ratio_var of 2 epochs x 2 minibatches of per-token ratios within ~1e-4 of 1 is their variance (in
+    float64) to 1e-3: taken as E[r^2] - E[r]^2 in float32, it cancelled to a multiple of 1.2e-7."""
+    g = torch.Generator().manual_seed(0)
+    logratio = 1e-4 * torch.randn(2, 2, 8, 16, generator=g)
+    mask = torch.rand(2, 2, 8, 16, generator=g) > 0.25
+    stats, zeros = torch.zeros(2, 2, len(rloo.STAT_NAMES)), torch.zeros(8, 16)
+    for epoch, minibatch in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        ratio, real = logratio[epoch, minibatch].exp(), mask[epoch, minibatch]
+        stats[epoch, minibatch, 2:] = rloo.ratio_stats(logratio[epoch, minibatch], ratio, zeros, real, zeros, real)
+    m = rloo.rloo_update_metrics(types.SimpleNamespace(reduce=lambda t, op: t), stats, scores=torch.zeros(8), kl=torch.zeros(8),
+                                 rewards=torch.zeros(8), advantages=torch.zeros(8), logprobs=zeros, padding_mask=~mask[0, 0],
+                                 contain_eos=torch.ones(8, dtype=torch.bool), sequence_lengths=torch.ones(8),
+                                 args=rloo.Args(), validation_metrics={})
+    variance = logratio.exp()[mask].double().var(correction=0).item()
+    assert 5e-9 < variance < 2e-8 and m["ppo/val/ratio_var"] == pytest.approx(variance, rel=1e-3)
 
 
 def test_an_lr_0_update_has_ratio_1_and_clips_nothing(tiny_datasets, checkpoints, tmp_path):
