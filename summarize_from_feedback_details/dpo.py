@@ -487,7 +487,7 @@ def main(args: Args) -> None:
     ref_policy = prepare_frozen(ref_policy, args, accelerator)
     unwrapped = accelerator.unwrap_model(model)
     checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [scheduler])
-    run.print(f"reference policy: {describe_frozen(ref_policy)}", soft_wrap=True)
+    run.print(f"reference policy: {describe_frozen(ref_policy)}")
 
     model.train()
     update = start_update

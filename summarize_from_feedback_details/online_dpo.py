@@ -489,8 +489,7 @@ def main(args: Args) -> None:
     validation = dataset["validation"].with_format("torch", columns=list(QUERY_COLUMNS))
     validation_order = torch.randperm(len(validation), generator=torch.Generator().manual_seed(args.seed)).tolist()
     checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [])
-    run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}",
-              soft_wrap=True)
+    run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}")
     device = accelerator.device
     temperature, fwd_batch = args.temperature, args.local_rollout_forward_batch_size
     pairs_per_micro = args.local_micro_batch_size // 2  # (a micro-batch holds both samples of its queries)

@@ -654,8 +654,7 @@ def main(args: Args) -> None:
     validation_order = torch.randperm(len(validation), generator=torch.Generator().manual_seed(args.seed)).tolist()
     kl_ctl = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target, args.ppo.horizon)
     checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [kl_ctl])
-    run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}",
-              soft_wrap=True)
+    run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}")
     # whitening statistics over the global batch (sums reduced over processes) unless per rank
     reduce = None if args.ppo.whiten_per_rank else (lambda t: accelerator.reduce(t, "sum"))
     device = accelerator.device

@@ -649,8 +649,7 @@ def main(args: Args) -> None:
     validation = dataset["validation"].with_format("torch", columns=list(QUERY_COLUMNS))
     validation_order = torch.randperm(len(validation), generator=torch.Generator().manual_seed(args.seed)).tolist()
     checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [])
-    run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}",
-              soft_wrap=True)
+    run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}")
     device = accelerator.device
     temperature, fwd_batch, length = args.temperature, args.local_rollout_forward_batch_size, args.response_length
     ga, num_processes, rank = args.gradient_accumulation_steps, accelerator.num_processes, accelerator.process_index

@@ -834,7 +834,7 @@ class Run:
         self.start_update = resumed[1]["update"] if resumed else 0
         # what the stage asked the checkpoints to keep (reward/dpo: the pairs trained on so far)
         self.records = resumed[1]["records"] if resumed else None
-        self.console = Console()
+        self.console = Console(soft_wrap=True)  # a log keeps each line whole (a path, a warning) for grep
         self.lock, self.started = lock, time.time()
         self.checkpoints, self.logger = None, None  # (checkpoints_and_logger)
         self.key_metrics: tuple = ()  # what the progress lines and the summary show (progress)
@@ -876,12 +876,11 @@ class Run:
             warning = check_disk_space(self.args.output_dir, final, checkpoint,
                                        self.args.keep_checkpoints + 1 if self.args.checkpoint_every else 0)
             if warning:
-                self.print(f"[bold yellow]WARNING:[/] {escape(warning)}", highlight=False, soft_wrap=True)
+                self.print(f"[bold yellow]WARNING:[/] {escape(warning)}", highlight=False)
         checkpoints = Checkpoints(self.args, self.accelerator, model, optimizer, objects, self.identity)
         if self.resumed:
             checkpoints.load(*self.resumed)
-            self.print(f"resumed run {self.args.run_name} from {self.resumed[0]} at update {self.start_update}",
-                       soft_wrap=True)  # the path stays whole in a log, however long
+            self.print(f"resumed run {self.args.run_name} from {self.resumed[0]} at update {self.start_update}")
             if self.changed_settings:
                 self.print(f"[bold yellow]WARNING: resumed with changed settings (--accept_changed_settings): "
                            f"{'; '.join(self.changed_settings)}")
@@ -944,13 +943,13 @@ class Run:
         if self.args.on_nonfinite == "skip":
             self.logger.nonfinite_skipped += 1
             self.print(f"[bold yellow]WARNING: {what}; skipped (--on_nonfinite skip; "
-                       f"{self.logger.nonfinite_skipped} so far)", highlight=False, soft_wrap=True)
+                       f"{self.logger.nonfinite_skipped} so far)", highlight=False)
             return
         newest = self.checkpoints.newest() if self.checkpoints else None
         self.print(f"[bold red]STOPPED: {what}.[/] No model saved; "
                    + (f"the last checkpoint, {newest}, is kept: --resume continues from it (with a lower --lr or "
                       "other settings, add --accept_changed_settings). " if newest else "there is no checkpoint. ")
-                   + "--on_nonfinite skip would skip such updates instead", highlight=False, soft_wrap=True)
+                   + "--on_nonfinite skip would skip such updates instead", highlight=False)
         if self.logger:
             self.logger.close()
         raise SystemExit(NONFINITE_EXIT_CODE)
@@ -1024,7 +1023,7 @@ class Run:
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         self.print(run_summary(self.args, self.identity["stage"], time.time() - self.started, self.start_update,
-                               logger, self.key_metrics), highlight=False, soft_wrap=True)
+                               logger, self.key_metrics), highlight=False)
         if self.lock is not None:
             self.lock.close()
 
