@@ -225,6 +225,18 @@ def command_line_flags(args) -> list:
     return out
 
 
+def ratios_near_one() -> tuple:
+    """(logratio of 2 epochs x 2 minibatches x 8 x 16 units within ~1e-4 of 0, the mask of the units that
+    count, the variance of their ratios in float64, 1.045e-8): the known answer for PPO's and RLOO's
+    ppo/val/ratio_var, where E[r^2] - E[r]^2 in float32 cancels to a multiple of 1.2e-7."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    logratio = 1e-4 * torch.randn(2, 2, 8, 16, generator=g)
+    mask = torch.rand(2, 2, 8, 16, generator=g) > 0.25
+    return logratio, mask, logratio.exp()[mask].double().var(correction=0).item()
+
+
 class BackendFailingAfterFirst:
     """A torch.compile backend whose first compile succeeds (the graph runs as captured) and every
     later one raises, as a toolchain that breaks on a recompile would; `compiles` counts them."""

@@ -20,8 +20,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           GPT2ForSequenceClassification, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
                           GPTNeoXForSequenceClassification, LlamaForCausalLM)
 
-from conftest import (BackendFailingAfterFirst, accelerate_launcher, command_line_flags, is_wall_clock, tiny_llama_config,
-                      run_in_process, run_script, run_until_signalled, signal_on_call, without_rates, side_by_side)
+from conftest import (BackendFailingAfterFirst, accelerate_launcher, command_line_flags, is_wall_clock, ratios_near_one,
+                      tiny_llama_config, run_in_process, run_script, run_until_signalled, signal_on_call, without_rates, side_by_side)
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import evaluation, packing, reward, rollout, run_infra, sft
 
@@ -247,12 +247,9 @@ def test_statistics_cover_real_tokens_only():
 
 
 def test_ratio_var_is_the_variance_of_ratios_near_one():
-    """ppo/val/ratio_var of 2 epochs x 2 minibatches of ratios within ~1e-4 of 1 is their variance (in float64)
-    to 1e-3: taken as E[r^2] - E[r]^2 in float32, it cancelled to a multiple of 1.2e-7 (an lr-0 update's
-    read 1.2e-7 where the ratios' variance is ~1e-12)."""
-    g = torch.Generator().manual_seed(0)
-    logratio = 1e-4 * torch.randn(2, 2, 8, 16, generator=g)
-    mask = torch.rand(2, 2, 8, 16, generator=g) > 0.25
+    """ppo/val/ratio_var of ratios within ~1e-4 of 1 is their variance to 1e-3 (an lr-0 update's read 1.2e-7,
+    float32's cancellation, where the ratios' variance is ~1e-12)."""
+    logratio, mask, variance = ratios_near_one()
     stats, zeros = torch.zeros(2, 2, len(ppo.STAT_NAMES)), torch.zeros(8, 16)
     for epoch, minibatch in ((0, 0), (0, 1), (1, 0), (1, 1)):
         ratio, real = logratio[epoch, minibatch].exp(), mask[epoch, minibatch]
@@ -260,7 +257,6 @@ def test_ratio_var_is_the_variance_of_ratios_near_one():
     rollout = dict(kl=zeros, non_score_reward=zeros, scores=torch.zeros(8), logprobs=zeros,
                    padding_mask=~mask[0, 0], contain_eos=torch.ones(8, dtype=torch.bool), sequence_lengths=torch.ones(8))
     m = ppo.update_metrics(types.SimpleNamespace(reduce=lambda t, op: t), stats, validation_metrics={}, **rollout)
-    variance = logratio.exp()[mask].double().var(correction=0).item()
     assert 5e-9 < variance < 2e-8 and m["ppo/val/ratio_var"] == pytest.approx(variance, rel=1e-3)
 
 

@@ -17,8 +17,8 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, run_in_process, run_script,
-                      signal_on_call, without_rates, side_by_side)
+from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, ratios_near_one, run_in_process,
+                      run_script, signal_on_call, without_rates, side_by_side)
 from summarize_from_feedback_details import rloo, rollout, run_infra
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
@@ -420,11 +420,9 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(base_run,
 
 
 def test_ratio_var_is_the_variance_of_ratios_near_one():
-    """ppo/val/ratio_var of 2 epochs x 2 minibatches of per-token ratios within ~1e-4 of 1 is their variance (in
-    float64) to 1e-3: taken as E[r^2] - E[r]^2 in float32, it cancelled to a multiple of 1.2e-7."""
-    g = torch.Generator().manual_seed(0)
-    logratio = 1e-4 * torch.randn(2, 2, 8, 16, generator=g)
-    mask = torch.rand(2, 2, 8, 16, generator=g) > 0.25
+    """ppo/val/ratio_var of per-token ratios within ~1e-4 of 1 is their variance to 1e-3 (float32's E[r^2] -
+    E[r]^2 read a multiple of 1.2e-7)."""
+    logratio, mask, variance = ratios_near_one()
     stats, zeros = torch.zeros(2, 2, len(rloo.STAT_NAMES)), torch.zeros(8, 16)
     for epoch, minibatch in ((0, 0), (0, 1), (1, 0), (1, 1)):
         ratio, real = logratio[epoch, minibatch].exp(), mask[epoch, minibatch]
@@ -433,7 +431,6 @@ def test_ratio_var_is_the_variance_of_ratios_near_one():
                                  rewards=torch.zeros(8), advantages=torch.zeros(8), logprobs=zeros, padding_mask=~mask[0, 0],
                                  contain_eos=torch.ones(8, dtype=torch.bool), sequence_lengths=torch.ones(8),
                                  args=rloo.Args(), validation_metrics={})
-    variance = logratio.exp()[mask].double().var(correction=0).item()
     assert 5e-9 < variance < 2e-8 and m["ppo/val/ratio_var"] == pytest.approx(variance, rel=1e-3)
 
 
