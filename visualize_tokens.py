@@ -37,11 +37,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from summarize_from_feedback_details.infra.launch import quiet_libraries
+from summarize_from_feedback_details.infra.loading import (check_model_path, load_policy, load_reward_model,
+                                                           load_split_dataset, load_tokenizer, looks_local)
 from summarize_from_feedback_details.ppo_left_padding import (QUERY_COLUMNS, forward, gather_logprobs, get_reward,
                                                               scaled_logits, truncate_response)
 from summarize_from_feedback_details.rollout import SamplingGroup, decode, derived_seed
-from summarize_from_feedback_details.run_infra import (check_model_path, load_policy, load_reward_model,
-                                                       load_split_dataset, load_tokenizer, looks_local)
 
 
 @dataclass
@@ -267,6 +268,7 @@ def show(console: Console, sample: Sample, position: str, tokenizer, args: Args)
 
 def main(args: Args) -> list:
     """Shows the samples; returns them (tests read them)."""
+    quiet_libraries()
     paths = {name: resolve(getattr(args, f"{name}_model_path"), getattr(args, f"{name}_model_revision"),
                            f"{name}_model_path") for name in ("sft", "ppo", "reward")}
     if looks_local(args.query_dataset) and not os.path.isdir(args.query_dataset):

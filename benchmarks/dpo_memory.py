@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import ppo_speed  # noqa: E402
 
-from summarize_from_feedback_details import dpo, packing, run_infra  # noqa: E402
+from summarize_from_feedback_details import dpo, packing  # noqa: E402
+from summarize_from_feedback_details.infra import loading  # noqa: E402
 
 SETTINGS = {"padded, all logits": (False, False), "padded, response logits": (False, True),
             "packed, response logits": (True, True)}
@@ -83,8 +84,8 @@ def step(model, batch: tuple, response_logits: bool) -> None:
 def main(args: Args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sft_path, _ = ppo_speed.build_checkpoints(args.shape, args.cache_dir, args.seed)
-    tokenizer = run_infra.load_tokenizer(sft_path)
-    model = run_infra.load_policy(sft_path, tokenizer, torch.bfloat16 if device == "cuda" else torch.float32)
+    tokenizer = loading.load_tokenizer(sft_path)
+    model = loading.load_policy(sft_path, tokenizer, torch.bfloat16 if device == "cuda" else torch.float32)
     model.to(device).train()
     batch = tuple(t.to(device) for t in pair_batch(args, model.config.vocab_size))
     results = {}

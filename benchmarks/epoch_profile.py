@@ -7,7 +7,7 @@ The models and queries of benchmarks/ppo_speed.py (random-init checkpoints of `-
 query_length / 2 to query_length real tokens left-padded to query_length) with random responses of
 `--response_length` tokens; the stage's own PolicyAndValueWrapper pieces (`response_logits`,
 `response_values`), `scaled_logits`, `gather_logprobs`, `policy_loss`, `value_loss` and
-`run_infra.make_optimizer` (AdamW; fused under --compile_train). Per forwards setting, `--warmup`
+`infra.launch.make_optimizer` (AdamW; fused under --compile_train). Per forwards setting, `--warmup`
 untimed steps (the compile happens there), then the median seconds of `--repeats` steps per part.
 A step is what the PPO epochs do per micro-batch, so at micro-batch = batch (the side by side's
 setting) the epochs phase is about `noptepochs` steps.
@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import ppo_speed  # noqa: E402
 
-from summarize_from_feedback_details import packing, run_infra  # noqa: E402
+from summarize_from_feedback_details import packing  # noqa: E402
+from summarize_from_feedback_details.infra import launch, loading  # noqa: E402
 from summarize_from_feedback_details import ppo_left_padding as ppo  # noqa: E402
 
 PARTS = ["policy forward", "critic forward", "losses", "backward", "optimizer step"]
@@ -54,12 +55,12 @@ class Args:
 def training_models(args: Args, forwards: str) -> tuple:
     """The stage's trained pair as its load_models leaves them, and the stage's optimizer over both."""
     sft_path, rm_path = ppo_speed.build_checkpoints(args.shape, args.cache_dir, args.seed)
-    tokenizer = run_infra.load_tokenizer(sft_path)
-    policy, critic = run_infra.load_policy(sft_path, tokenizer), run_infra.load_reward_model(rm_path, tokenizer)
+    tokenizer = loading.load_tokenizer(sft_path)
+    policy, critic = loading.load_policy(sft_path, tokenizer), loading.load_reward_model(rm_path, tokenizer)
     packing.enable(forwards != "padded", policy, critic)
     packing.compile_for_training(forwards == "compiled", lambda message: None, policy, critic)
     model = ppo.PolicyAndValueWrapper(policy, critic, ppo_speed.PAD_ID).train()
-    return model, run_infra.make_optimizer(ppo.Args(compile_train=forwards == "compiled"), model)
+    return model, launch.make_optimizer(ppo.Args(compile_train=forwards == "compiled"), model)
 
 
 def batch(args: Args) -> tuple:
@@ -98,6 +99,7 @@ def timed_step(model, optimizer, query_responses: torch.Tensor, responses: torch
 
 
 def main(args: Args) -> dict:
+    launch.quiet_libraries()
     query_responses, responses = batch(args)
     medians = {}
     for forwards in args.forwards:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import tyro
 
-from summarize_from_feedback_details.run_infra import cuda_problem, nvidia_smi_gpus
+from summarize_from_feedback_details.infra.preflight import cuda_problem, nvidia_smi_gpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -65,8 +65,10 @@ def load(args: Args, device: str) -> tuple:
     if os.path.isdir(args.model):
         from datasets import load_from_disk
 
-        from summarize_from_feedback_details.run_infra import load_tokenizer
+        from summarize_from_feedback_details.infra.launch import quiet_libraries
+        from summarize_from_feedback_details.infra.loading import load_tokenizer
 
+        quiet_libraries()
         if args.queries is None:
             raise SystemExit("--model is a checkpoint: give --queries, its tokenized SFT dataset (e.g. data/tldr/sft)")
         policy = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)

@@ -120,7 +120,9 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           PreTrainedTokenizerFast)
 
 from summarize_from_feedback_details import ppo_left_padding as ppo  # noqa: E402
-from summarize_from_feedback_details import run_infra  # noqa: E402
+from summarize_from_feedback_details.infra.launch import quiet_libraries  # noqa: E402
+from summarize_from_feedback_details.infra.lora import with_lora  # noqa: E402
+from summarize_from_feedback_details.infra.tracking import Logger  # noqa: E402
 from summarize_from_feedback_details.tiny_models import SIZES as TINY_SIZES  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,7 +236,7 @@ def trainable_params(shape: str, variant: str, lora_r: int) -> int:
         critic = AutoModelForSequenceClassification.from_config(model_config(shape, num_labels=1))
         if variant == "lora":
             lora = ppo.Args(use_peft=True, lora_r=lora_r)
-            policy, critic = run_infra.with_lora(policy, lora), run_infra.with_lora(critic, lora, head="score")
+            policy, critic = with_lora(policy, lora), with_lora(critic, lora, head="score")
     return sum(p.numel() for model in (policy, critic) for p in model.parameters() if p.requires_grad)
 
 
@@ -522,17 +524,17 @@ def release_memory() -> None:
 def end_of_update_times(times: list):
     """Appends time.perf_counter() at each per-update `Logger.log` call of the stage (its last step
     of an update), without touching the stage's file."""
-    original = run_infra.Logger.log
+    original = Logger.log
 
     def log(self, metrics, step):
         original(self, metrics, step)
         times.append(time.perf_counter())
 
-    run_infra.Logger.log = log
+    Logger.log = log
     try:
         yield
     finally:
-        run_infra.Logger.log = original
+        Logger.log = original
 
 
 def run_ours_in_process(stage: ppo.Args, workdir: str, device: str, threads: int) -> list:
@@ -1063,6 +1065,7 @@ def plot_side_by_side(rows: list, path: str) -> None:
 
 def main(args: Args) -> dict:
     """Runs what `args.mode` asks for; returns {"speed": rows, "trl": rows}."""
+    quiet_libraries()
     if args.updates < 2:
         raise ValueError("--updates must be >= 2: the first update is warm-up")
     unknown = [s for s in args.shapes if s not in SHAPES]

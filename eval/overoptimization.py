@@ -17,7 +17,7 @@ Writes to --out:
   gold peak and its KL marked;
 - overoptimization.{csv,md}: per run the update and KL of the gold peak, gold and both proxies there
   and at the end (smoothed);
-- warnings.{csv,md}: per run and --warn signal (run_infra.WARNING_SIGNALS, the stages' own rule), the
+- warnings.{csv,md}: per run and --warn signal (infra.tracking.WARNING_SIGNALS, the stages' own rule), the
   update at which it would have fired and how many updates before the gold peak (negative: after).
 """
 
@@ -34,7 +34,7 @@ import tyro
 
 from common import save_figure, write_table
 
-from summarize_from_feedback_details.run_infra import WARNING_SIGNALS, first_warning, parse_warnings
+from summarize_from_feedback_details.infra.tracking import WARNING_SIGNALS, first_warning, parse_warnings
 
 CURVES = ("objective/kl", "objective/validation_score", "objective/scores", "eval/gold/score")
 

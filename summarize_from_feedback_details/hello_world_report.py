@@ -79,7 +79,7 @@ def reward_scores(reward_model, tokenizer, queries: list, responses: list, batch
         ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])  # right padding
         scores.append(reward_model(input_ids=ids, attention_mask=ids != pad_id).logits[:, 0])
     # the normalisation of an RMSNorm architecture (reward.py): added here to a model loaded with plain
-    # transformers; one loaded by run_infra.load_reward_model adds it in its forward already
+    # transformers; one loaded by infra.loading.load_reward_model adds it in its forward already
     hooked = getattr(reward_model, "reward_offset_hook", None) is not None
     return torch.cat(scores).numpy() + (0.0 if hooked else getattr(reward_model.config, "reward_offset", 0.0))
 

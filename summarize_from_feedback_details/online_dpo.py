@@ -66,12 +66,14 @@ from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.evaluation import final_evaluation, validate
+from summarize_from_feedback_details.infra.checkpoints import Resumable
+from summarize_from_feedback_details.infra.launch import make_optimizer, start_run
+from summarize_from_feedback_details.infra.loading import (describe_frozen, enable_gradient_checkpointing, frozen_dtype,
+                                                           load_policy, load_reward_model, load_split_dataset,
+                                                           load_tokenizer, prepare_frozen, require_splits)
+from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
+from summarize_from_feedback_details.infra.tracking import PhaseTimer
 from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches, derived_seed
-from summarize_from_feedback_details.run_infra import (PhaseTimer, Resumable, describe_frozen,
-                                                       enable_gradient_checkpointing, frozen_dtype, load_policy,
-                                                       load_reward_model, load_split_dataset, load_tokenizer,
-                                                       make_optimizer, prepare_frozen, quantization, reference_policy,
-                                                       require_splits, start_run, trainable_parameters, with_lora)
 
 
 @dataclass
@@ -616,5 +618,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    from summarize_from_feedback_details.run_infra import parse_args  # tyro.cli, knowing other codebases' flags
+    from summarize_from_feedback_details.infra.flags import parse_args  # tyro.cli, knowing other codebases' flags
     main(parse_args(Args))

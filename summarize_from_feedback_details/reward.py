@@ -31,7 +31,7 @@ to `w . h` at every position. No extra line is needed when loading, and a critic
 this model inherits the shift at every token, like the original's `config.bias`. Where it has none
 (RMSNorm: Llama, Qwen, Gemma, OLMo-2, SmolLM), the shift is saved as `config.reward_offset`, which
 every stage adds to the head's output at every position when it loads the model
-(`run_infra.add_reward_offset`); plain transformers gives the raw score, to which a user adds it.
+(`infra.loading.add_reward_offset`); plain transformers gives the raw score, to which a user adds it.
 """
 
 import contextlib
@@ -48,12 +48,15 @@ import tyro
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-# (run_infra before transformers' optimization module: it quiets the libraries' import noise)
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.run_infra import (PhaseTimer, Resumable, add_reward_offset,
-                                                       enable_gradient_checkpointing, load_reward_model,
-                                                       load_split_dataset, load_tokenizer, make_optimizer, quantization,
-                                                       require_splits, start_run, trainable_parameters, with_lora)
+from summarize_from_feedback_details.infra.checkpoints import Resumable
+from summarize_from_feedback_details.infra.launch import make_optimizer, quiet_libraries, start_run
+from summarize_from_feedback_details.infra.loading import (add_reward_offset, enable_gradient_checkpointing,
+                                                           load_reward_model, load_split_dataset, load_tokenizer,
+                                                           require_splits)
+from summarize_from_feedback_details.infra.lora import quantization, trainable_parameters, with_lora
+from summarize_from_feedback_details.infra.tracking import PhaseTimer
+quiet_libraries()  # before transformers' optimization module, whose import of bitsandbytes (by peft) warns
 from transformers import get_scheduler  # noqa: E402
 
 
@@ -304,7 +307,7 @@ def full_parameters(params: list):
 def shift_rewards(model, offset: float) -> None:
     """Adds `offset` to the reward at every position, exactly: score(h) = w . h, so moving the final
     norm's bias by `offset * w / |w|^2` moves w . h by `offset` (HF's score layer has no bias).
-    Without such a bias (RMSNorm), `config.reward_offset` grows by `offset` (run_infra.add_reward_offset
+    Without such a bias (RMSNorm), `config.reward_offset` grows by `offset` (infra.loading.add_reward_offset
     adds it to the head's output)."""
     bias = final_norm_bias(model)
     if bias is None:
@@ -591,5 +594,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    from summarize_from_feedback_details.run_infra import parse_args  # tyro.cli, knowing other codebases' flags
+    from summarize_from_feedback_details.infra.flags import parse_args  # tyro.cli, knowing other codebases' flags
     main(parse_args(Args))

@@ -28,12 +28,14 @@ from accelerate import Accelerator
 from rouge_score import rouge_scorer
 from torch.utils.data import DataLoader
 
-# (run_infra before transformers' optimization module: it quiets the libraries' import noise)
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.run_infra import (PhaseTimer, Resumable, enable_gradient_checkpointing,
-                                                       load_policy, load_split_dataset, load_tokenizer, make_optimizer,
-                                                       quantization, require_splits, start_run, trainable_parameters,
-                                                       with_lora)
+from summarize_from_feedback_details.infra.checkpoints import Resumable
+from summarize_from_feedback_details.infra.launch import make_optimizer, quiet_libraries, start_run
+from summarize_from_feedback_details.infra.loading import (enable_gradient_checkpointing, load_policy,
+                                                           load_split_dataset, load_tokenizer, require_splits)
+from summarize_from_feedback_details.infra.lora import quantization, trainable_parameters, with_lora
+from summarize_from_feedback_details.infra.tracking import PhaseTimer
+quiet_libraries()  # before transformers' optimization module, whose import of bitsandbytes (by peft) warns
 from transformers import GenerationConfig, get_scheduler  # noqa: E402
 
 
@@ -445,5 +447,5 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    from summarize_from_feedback_details.run_infra import parse_args  # tyro.cli, knowing other codebases' flags
+    from summarize_from_feedback_details.infra.flags import parse_args  # tyro.cli, knowing other codebases' flags
     main(parse_args(Args))

@@ -36,7 +36,8 @@ import tyro
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
-from summarize_from_feedback_details.run_infra import progress
+from summarize_from_feedback_details.infra.launch import quiet_libraries
+from summarize_from_feedback_details.infra.tracking import progress
 from summarize_from_feedback_details.synthetic_tldr import atomic_output_dir
 
 EOS_TOKEN = "<|endoftext|>"
@@ -293,6 +294,7 @@ def build(args: Args) -> dict:
 
 
 def main(args: Args) -> None:
+    quiet_libraries()
     summary = build(args)
     for name, info in summary.items():
         print(f"{name}: {info['parameters']:,} parameters, {info['pretrain_steps']} pretraining steps, "

@@ -41,8 +41,10 @@ from datasets import Dataset, DatasetDict, Features, List, Value, disable_progre
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from summarize_from_feedback_details.run_infra import (TOKENIZER_RECORD, check_architecture, load_tokenizer,  # noqa: E402
-                                                       progress, tokenizer_fingerprint)
+from summarize_from_feedback_details.infra.launch import quiet_libraries  # noqa: E402
+from summarize_from_feedback_details.infra.loading import (TOKENIZER_RECORD, check_architecture,  # noqa: E402
+                                                           load_tokenizer, tokenizer_fingerprint)
+from summarize_from_feedback_details.infra.tracking import progress  # noqa: E402
 
 CNNDM_BATCHES = ("batch0_cnndm", "cnndm0", "cnndm2")
 SFT_SPLITS = ("train", "validation", "test")
@@ -814,6 +816,7 @@ def run(args: Args, console: Optional[Console] = None) -> dict:
 
 
 def main(args: Args) -> None:
+    quiet_libraries()
     try:
         run(args)
     except (DataError, FileExistsError, ValueError) as e:

@@ -128,12 +128,13 @@ def checkpoints(models_dir, tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from summarize_from_feedback_details import reward, run_infra
+    from summarize_from_feedback_details import reward
+    from summarize_from_feedback_details.infra import loading
 
     base = os.path.join(models_dir, "pythia-tiny-s")
     folder = tmp_path_factory.mktemp("online_checkpoints")
     sft_path, rm_path = str(folder / "sft"), str(folder / "reward_model")
-    tokenizer = run_infra.load_tokenizer(base)
+    tokenizer = loading.load_tokenizer(base)
     model = AutoModelForCausalLM.from_pretrained(base)
     u = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -18,7 +18,10 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from summarize_from_feedback_details import dpo, online_dpo
 from summarize_from_feedback_details import ppo_left_padding as ppo
-from summarize_from_feedback_details import reward, rloo, run_infra, sft, tiny_models, tldr_dataset
+from summarize_from_feedback_details import reward, rloo, sft, tiny_models, tldr_dataset
+from summarize_from_feedback_details.infra import loading
+from summarize_from_feedback_details.infra.checkpoints import CHECKPOINT_EXIT_CODE
+from summarize_from_feedback_details.infra.lora import with_lora
 
 ARCHS = ["llama", "qwen3"]
 
@@ -56,7 +59,7 @@ def test_data_sft_and_reward_model(pipeline):
     """The [PAD] a loader adds is one embedding row where the vocabulary has no spare one (Llama), none
     where it has (Qwen); the reward model's normalisation lives in its config; plain transformers loads
     both models; the SFT references score 0 on average through every stage's loader."""
-    tokenizer = run_infra.load_tokenizer(pipeline["base"])
+    tokenizer = loading.load_tokenizer(pipeline["base"])
     assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id != tokenizer.eos_token_id
     policy = AutoModelForCausalLM.from_pretrained(pipeline["sft"])
     rows = {"llama": len(tokenizer), "qwen3": 64 * math.ceil(len(tokenizer) / 64)}[pipeline["arch"]]
@@ -71,7 +74,7 @@ def test_data_sft_and_reward_model(pipeline):
     AutoModelForSequenceClassification.from_pretrained(pipeline["reward_model"])
     references = load_from_disk(os.path.join(pipeline["data"], "sft"))["train"]
     rows = torch.cat([torch.tensor(references["query_token"]), torch.tensor(references["reference_response_token"])], 1)
-    model = run_infra.load_reward_model(pipeline["reward_model"], tokenizer).eval()
+    model = loading.load_reward_model(pipeline["reward_model"], tokenizer).eval()
     with torch.no_grad():
         scores = reward.get_reward(model, rows, tokenizer.pad_token_id)
     assert abs(scores.mean().item()) < 1e-4 and scores.std().item() > 1e-4
@@ -110,7 +113,7 @@ def test_each_method_runs_and_starts_where_the_paper_says(pipeline, method):
         if method != "online_dpo":  # (online DPO has no ratio: its loss is DPO's)
             assert update["ppo/val/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-5)
     model = AutoModelForCausalLM.from_pretrained(os.path.join(workdir, name))
-    tokenizer = run_infra.load_tokenizer(os.path.join(workdir, name))
+    tokenizer = loading.load_tokenizer(os.path.join(workdir, name))
     sample = model.generate(torch.tensor([tokenizer.encode("My boyfriend")]), max_new_tokens=4, do_sample=False)
     assert sample.shape[1] > 2
 
@@ -139,12 +142,12 @@ def test_micro_batch_split_gives_the_same_ppo_update_on_llama(pipeline):
 def test_the_reward_offset_survives_the_lora_wrapping_of_a_critic(pipeline):
     """Under --use_peft peft keeps a trainable copy of the critic's `score` head: the offset is added
     once, by the copy and by the original (the disabled adapter), as without LoRA."""
-    tokenizer = run_infra.load_tokenizer(pipeline["reward_model"])
-    critic = run_infra.load_reward_model(pipeline["reward_model"], tokenizer).eval()
+    tokenizer = loading.load_tokenizer(pipeline["reward_model"])
+    critic = loading.load_reward_model(pipeline["reward_model"], tokenizer).eval()
     ids = torch.tensor(load_from_disk(os.path.join(pipeline["data"], "sft"))["train"][:4]["query_reference_response_token"])
     with torch.no_grad():
         plain = ppo.get_values(critic, ids, tokenizer.pad_token_id)
-        wrapped = run_infra.with_lora(critic, ppo.Args(use_peft=True), head="score").eval()
+        wrapped = with_lora(critic, ppo.Args(use_peft=True), head="score").eval()
         lora = ppo.get_values(wrapped, ids, tokenizer.pad_token_id)
         with wrapped.disable_adapter():
             disabled = ppo.get_values(wrapped, ids, tokenizer.pad_token_id)
@@ -172,7 +175,7 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run_on_llama(
         signal_on_call(patch, ppo, "policy_loss", 16 + 8)  # 4 epochs x 2 minibatches x 2 micro-batches per update
         with pytest.raises(SystemExit) as stopped:
             run_in_process(ppo.main, online_args(ppo, pipeline, "stopped", **common), workdir)
-    assert stopped.value.code == run_infra.CHECKPOINT_EXIT_CODE
+    assert stopped.value.code == CHECKPOINT_EXIT_CODE
     run_in_process(ppo.main, online_args(ppo, pipeline, "stopped", resume=True, **common), workdir)
 
     def lines(name):

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import pytest
 import tyro
 
-from summarize_from_feedback_details import (dpo, online_dpo, ppo_left_padding, reward, rloo, run_infra, sft,
-                                             synthetic_tldr, tiny_models)
+from summarize_from_feedback_details import (dpo, online_dpo, ppo_left_padding, reward, rloo, sft, synthetic_tldr,
+                                             tiny_models)
+from summarize_from_feedback_details.infra.flags import FOREIGN_FLAGS, flag_names, parse_args
 
 STAGES = {"sft": sft, "reward": reward, "dpo": dpo, "ppo_left_padding": ppo_left_padding, "rloo": rloo,
           "online_dpo": online_dpo, "tiny_models": tiny_models, "synthetic_tldr": synthetic_tldr}
@@ -101,7 +102,7 @@ def test_training_stages_have_on_nonfinite(stage):
 
 @pytest.mark.parametrize("stage", TRAINING_STAGES)
 def test_training_stages_parse_their_command_line_with_parse_args(stage):
-    """`python <stage>.py ...` goes through run_infra.parse_args, not tyro.cli directly."""
+    """`python <stage>.py ...` goes through infra.flags.parse_args, not tyro.cli directly."""
     tree = ast.parse(open(STAGES[stage].__file__).read())
     guard = [node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
     assert len(guard) == 1 and "main(parse_args(Args))" in ast.unparse(guard[0])
@@ -135,23 +136,23 @@ def test_training_stages_parse_their_command_line_with_parse_args(stage):
 ])
 def test_foreign_flags_stop_with_our_name(stage, argv, suggestion, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        run_infra.parse_args(STAGES[stage].Args, args=["--seed", "3", *argv])
+        parse_args(STAGES[stage].Args, args=["--seed", "3", *argv])
     assert exit_info.value.code != 0
     assert suggestion in capsys.readouterr().err
 
 
 def test_our_own_flags_in_every_spelling_reach_tyro():
-    args = run_infra.parse_args(ppo_left_padding.Args, args=[
+    args = parse_args(ppo_left_padding.Args, args=[
         "--ppo.kl-coef", "0.1", "--ppo.no-whiten-rewards", "--no_compile_decode", "--local_micro_batch_size=2",
         "--on_nonfinite", "skip", "--lora_target_modules", "query_key_value", "dense"])
     assert (args.ppo.kl_coef, args.ppo.whiten_rewards, args.compile_decode, args.local_micro_batch_size,
             args.on_nonfinite, args.lora_target_modules) == (0.1, False, False, 2, "skip", ["query_key_value", "dense"])
-    assert run_infra.parse_args(dpo.Args, args=["--beta", "0.1"]).beta == 0.1  # (DPO's own beta is no KL coef)
+    assert parse_args(dpo.Args, args=["--beta", "0.1"]).beta == 0.1  # (DPO's own beta is no KL coef)
 
 
 def test_unknown_flags_are_left_to_tyro(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        run_infra.parse_args(sft.Args, args=["--lrr", "1e-5"])
+        parse_args(sft.Args, args=["--lrr", "1e-5"])
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert "here it is" not in captured.err and "--lrr" in captured.out + captured.err  # (tyro's message)
@@ -159,8 +160,8 @@ def test_unknown_flags_are_left_to_tyro(capsys):
 
 def test_every_foreign_flag_leads_to_a_flag_that_exists():
     """A typo in FOREIGN_FLAGS (a flag renamed since) would make its suggestion a dead end."""
-    flags = {stage: run_infra.flag_names(STAGES[stage].Args) for stage in TRAINING_STAGES}
-    for name, (source, targets) in run_infra.FOREIGN_FLAGS.items():
+    flags = {stage: flag_names(STAGES[stage].Args) for stage in TRAINING_STAGES}
+    for name, (source, targets) in FOREIGN_FLAGS.items():
         assert source and targets, name
         for target, _ in targets:
             assert any(target in stage_flags for stage_flags in flags.values()), (name, target)
@@ -180,7 +181,7 @@ def test_fields_derived_at_run_time_are_not_flags(stage, capsys):
     for name in derived:
         assert f"--{name}" not in helps and f"--{name.replace('_', '-')}" not in helps
         with pytest.raises(SystemExit) as refused:
-            run_infra.parse_args(args_class, args=[f"--{name}", "512"])
+            parse_args(args_class, args=[f"--{name}", "512"])
         assert refused.value.code == 2 and "Unrecognized" in capsys.readouterr().err
     if stage not in DERIVING_THE_BATCH:  # (sft/reward/dpo take the global batch, derive the accumulation)
-        assert run_infra.parse_args(args_class, args=["--batch_size", "64"]).batch_size == 64
+        assert parse_args(args_class, args=["--batch_size", "64"]).batch_size == 64

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script,
                       run_until_signalled, signal_on_call, stop_and_copy, without_rates)
-from summarize_from_feedback_details import dpo, reward, run_infra, sft
+from summarize_from_feedback_details import dpo, reward, sft
+from summarize_from_feedback_details.infra import checkpoints
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -275,7 +276,7 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_data
         signal_on_call(patch, dpo, "pair_logprobs", 16)
         with pytest.raises(SystemExit) as stopped:
             run_dpo(tiny_datasets, models_dir, workdir, "stopped", **common)
-    assert stopped.value.code == run_infra.CHECKPOINT_EXIT_CODE == 75
+    assert stopped.value.code == checkpoints.CHECKPOINT_EXIT_CODE == 75
     assert [n for n in os.listdir(tmp_path / "stopped") if n != ".lock"] == ["checkpoints"]  # (no model)
     assert os.listdir(tmp_path / "stopped" / "checkpoints") == ["update-0000003"]
     assert [m["step"] for m in read_metrics(workdir, "stopped")] == [6, 12, 18]

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers import GPTNeoXForCausalLM
 
 from conftest import accelerate_launcher, run_script, side_by_side
-from summarize_from_feedback_details import ppo_left_padding, reward, rollout, run_infra, tldr_dataset
+from summarize_from_feedback_details import ppo_left_padding, reward, rollout, tldr_dataset
+from summarize_from_feedback_details.infra import loading, preflight
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "tests", "accelerate_configs")
@@ -231,7 +232,7 @@ def test_ppo_at_the_pythia_1b_shape(variant, raw_dir, tokenizer_dir, tmp_path):
     if variant == "two_gpus" and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     base = random_pythia(PYTHIA_1B, tokenizer_dir, str(tmp_path / "base"))
-    tokenizer = run_infra.load_tokenizer(base)
+    tokenizer = loading.load_tokenizer(base)
     reward.reward_model_to_train(base, tokenizer, head_seed=1).save_pretrained(str(tmp_path / "rm"))
     tokenizer.save_pretrained(str(tmp_path / "rm"))
     data = str(tmp_path / "data")
@@ -280,8 +281,8 @@ def test_ppo_at_the_pythia_1b_shape(variant, raw_dir, tokenizer_dir, tmp_path):
 def test_torch_sees_the_gpus_nvidia_smi_lists():
     """Not skipped without CUDA: where nvidia-smi lists GPUs that torch cannot see (a CPU build, or a
     CUDA build newer than the driver), `make test-gpu` fails and says why instead of skipping."""
-    from summarize_from_feedback_details import run_infra
-    assert run_infra.cuda_problem() is None, run_infra.cuda_problem()
+    from summarize_from_feedback_details.infra import preflight
+    assert preflight.cuda_problem() is None, preflight.cuda_problem()
 
 
 @pytest.mark.gpu

@@ -63,11 +63,12 @@ def test_last_metrics_keeps_the_latest_value(tmp_path):
 def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, tokenizer):
     from transformers import AutoModelForSequenceClassification
 
-    from summarize_from_feedback_details import reward, run_infra
+    from summarize_from_feedback_details import reward
+    from summarize_from_feedback_details.infra import loading
 
     models = tmp_path / "models"
     rm_dir = str(models / "reward_model")
-    reward.reward_model_to_train(tokenizer_dir, run_infra.load_tokenizer(tokenizer_dir), head_seed=1).save_pretrained(rm_dir)
+    reward.reward_model_to_train(tokenizer_dir, loading.load_tokenizer(tokenizer_dir), head_seed=1).save_pretrained(rm_dir)
     tokenizer.save_pretrained(rm_dir)
     from summarize_from_feedback_details.synthetic_tldr import gold_score
 

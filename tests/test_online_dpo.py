@@ -17,7 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, GPT
 
 from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, run_in_process, run_script,
                       signal_on_call, without_rates, side_by_side)
-from summarize_from_feedback_details import online_dpo, reward, rollout, run_infra
+from summarize_from_feedback_details import online_dpo, reward, rollout
+from summarize_from_feedback_details.infra import loading
+from summarize_from_feedback_details.infra.checkpoints import CHECKPOINT_EXIT_CODE
 from summarize_from_feedback_details import ppo_left_padding as ppo
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids (Pythia: [PAD] 50277, EOS 0)
@@ -226,11 +228,11 @@ def first_update_pairs(args: online_dpo.Args, quick_eval_data) -> tuple:
     model with the seeds of their chunk (8 queries) and sample, with their log-probs at T, the reward
     model's EOS-penalised scores and the sample it chooses: (query_responses, responses, logprobs,
     scores [16, 2], chosen [16])."""
-    tokenizer = run_infra.load_tokenizer(args.base_model)
+    tokenizer = loading.load_tokenizer(args.base_model)
     train = load_from_disk(quick_eval_data)["train"]
     order = online_dpo.epoch_permutations(len(train), -(-args.total_episodes // (2 * len(train))), args.seed)
     queries = torch.tensor(train.select(order[:16])["query_token"])
-    sft = run_infra.load_policy(args.sft_model_path, tokenizer).eval()
+    sft = loading.load_policy(args.sft_model_path, tokenizer).eval()
     groups = [rollout.SamplingGroup(queries[i: i + 8], 0.7, rollout.derived_seed(args.seed, 0, 1, i, sample))
               for i in (0, 8) for sample in (0, 1)]
     decoded = rollout.decode_in_batches(sft, groups, PAD, 32, 16)
@@ -238,7 +240,7 @@ def first_update_pairs(args: online_dpo.Args, quick_eval_data) -> tuple:
                            for x in zip(*decoded))
     query_responses = torch.cat([queries.repeat_interleave(2, 0), responses], 1)
     postprocessed = online_dpo.truncate_response(responses, EOS, PAD)
-    reward_model = run_infra.load_reward_model(args.reward_model_path, tokenizer).eval()
+    reward_model = loading.load_reward_model(args.reward_model_path, tokenizer).eval()
     with torch.no_grad():
         scores = reward.get_reward(reward_model, torch.cat([queries.repeat_interleave(2, 0), postprocessed], 1), PAD)
     scores = ppo.penalize_missing_eos(scores, postprocessed, EOS, args.penalty_reward_value).view(16, 2)
@@ -262,9 +264,9 @@ def test_the_first_step_trains_on_the_reward_models_choice_and_separates_those_p
     assert first["ppo/val/num_eos_tokens"] == (responses == EOS).any(1).sum().item()
     assert ((scores[:, 0] == scores[:, 1]) & (scores[:, 0] == PENALTY)).any()  # (ties: both without EOS; argmax takes
     # the first, as the run)
-    tokenizer = run_infra.load_tokenizer(args.base_model)
-    reference = run_infra.load_policy(args.sft_model_path, tokenizer).eval()
-    policy = run_infra.load_policy(args.sft_model_path, tokenizer).eval()
+    tokenizer = loading.load_tokenizer(args.base_model)
+    reference = loading.load_policy(args.sft_model_path, tokenizer).eval()
+    policy = loading.load_policy(args.sft_model_path, tokenizer).eval()
     state = torch.load(os.path.join(workdir, "run", "checkpoints", "update-0000001", "state.pt"), weights_only=False)
     policy.load_state_dict(state["model"])
     rows = 2 * torch.arange(16) + chosen, 2 * torch.arange(16) + 1 - chosen
@@ -404,7 +406,7 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(split_run
         signal_on_call(patch, online_dpo, "dpo_losses", 4 + 2)
         with pytest.raises(SystemExit) as stopped:
             run_online_dpo(stopped_args, workdir)
-    assert stopped.value.code == run_infra.CHECKPOINT_EXIT_CODE == 75
+    assert stopped.value.code == CHECKPOINT_EXIT_CODE == 75
     assert os.listdir(os.path.join(workdir, "stopped", "checkpoints")) == ["update-0000002"]
     assert not os.path.exists(os.path.join(workdir, "stopped", "model.safetensors"))
     assert [m["step"] for m in read_metrics(workdir, "stopped")] == [1, 2]

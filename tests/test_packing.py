@@ -10,7 +10,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
                           GPTNeoXForSequenceClassification, LlamaForCausalLM)
 
-from summarize_from_feedback_details import dpo, packing, reward, run_infra, sft
+from summarize_from_feedback_details import dpo, packing, reward, sft
+from summarize_from_feedback_details.infra import launch
 from summarize_from_feedback_details import ppo_left_padding as ppo
 
 PAD, VOCAB = 1, 48
@@ -267,16 +268,16 @@ def test_compile_train_needs_packing():
 def test_compile_train_takes_the_fused_optimizer_with_the_same_update():
     model = causal_lm()
     args = ppo.Args(compile_train=True)
-    fused = run_infra.make_optimizer(args, model)
+    fused = launch.make_optimizer(args, model)
     assert fused.defaults["fused"] and isinstance(fused, torch.optim.AdamW)
-    assert not run_infra.make_optimizer(ppo.Args(), model).defaults["fused"]
+    assert not launch.make_optimizer(ppo.Args(), model).defaults["fused"]
     start = [p.detach().clone() for p in model.parameters()]
     updated = []
     for optimizer_args in (ppo.Args(lr=1e-2), ppo.Args(lr=1e-2, compile_train=True)):
         with torch.no_grad():
             for p, p0 in zip(model.parameters(), start):
                 p.copy_(p0)
-        optimizer = run_infra.make_optimizer(optimizer_args, model)
+        optimizer = launch.make_optimizer(optimizer_args, model)
         for _ in range(3):
             optimizer.zero_grad()
             sft.forward(model, padded_batch(), PAD).square().mean().backward()

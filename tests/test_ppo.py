@@ -23,7 +23,9 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 from conftest import (BackendFailingAfterFirst, accelerate_launcher, command_line_flags, is_wall_clock, ratios_near_one,
                       tiny_llama_config, run_in_process, run_script, run_until_signalled, signal_on_call, without_rates, side_by_side)
 from summarize_from_feedback_details import ppo_left_padding as ppo
-from summarize_from_feedback_details import evaluation, packing, reward, rollout, run_infra, sft
+from summarize_from_feedback_details import evaluation, packing, reward, rollout, sft
+from summarize_from_feedback_details.infra import loading, lora, tracking
+from summarize_from_feedback_details.infra.checkpoints import CHECKPOINT_EXIT_CODE
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids (Pythia: [PAD] 50277, EOS 0)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -731,7 +733,7 @@ def test_phase_times_charge_each_phase_with_its_own_work(tiny_datasets, checkpoi
             return function(*args, **kwargs)
         return timed
 
-    monkeypatch.setattr(run_infra.PhaseTimer, "clock", staticmethod(lambda: now[0]))
+    monkeypatch.setattr(tracking.PhaseTimer, "clock", staticmethod(lambda: now[0]))
     monkeypatch.setattr(rollout, "decode", takes(rollout.decode, 0.25))
     monkeypatch.setattr(ppo, "get_reward", takes(ppo.get_reward, 0.125))  # the rollouts' reward forwards
     monkeypatch.setattr(evaluation, "get_reward", takes(evaluation.get_reward, 0.125))  # the validation's
@@ -1014,8 +1016,8 @@ def test_deepspeed_matches_one_process(one_process, launched, offload):
 
 
 def test_frozen_models_take_the_mixed_precision_dtype():
-    assert run_infra.frozen_dtype("bf16") == torch.bfloat16 and run_infra.frozen_dtype("fp16") == torch.float16
-    assert run_infra.frozen_dtype("no") == torch.float32
+    assert loading.frozen_dtype("bf16") == torch.bfloat16 and loading.frozen_dtype("fp16") == torch.float16
+    assert loading.frozen_dtype("no") == torch.float32
 
 
 def test_gradient_checkpointing_changes_nothing(tiny_datasets, checkpoints, tmp_path, one_thread, attention_calls):
@@ -1125,7 +1127,7 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_data
         signal_on_call(patch, ppo, "policy_loss", 16 + 8)
         with pytest.raises(SystemExit) as stopped:
             run_ppo(tiny_args(tiny_datasets, checkpoints, workdir, "stopped", **common), workdir)
-    assert stopped.value.code == run_infra.CHECKPOINT_EXIT_CODE == 75
+    assert stopped.value.code == CHECKPOINT_EXIT_CODE == 75
     path, update = checkpoint_of(os.path.join(workdir, "stopped"))
     assert update == 2 and [m["step"] for m in read_metrics(workdir, "stopped")] == [1, 2]
     assert not os.path.exists(os.path.join(workdir, "stopped", "model.safetensors"))  # (stopped, not finished)
@@ -1241,24 +1243,24 @@ def test_lora_reference_is_the_sft_model_exactly(checkpoints):
     tokenizer = AutoTokenizer.from_pretrained(sft_path)
     rows = torch.randint(2, 1000, (3, 20), generator=torch.Generator().manual_seed(0))
     rows[0, :5] = PAD
-    sft_model = run_infra.load_policy(sft_path, tokenizer)
+    sft_model = loading.load_policy(sft_path, tokenizer)
     with torch.no_grad():
         expected = ppo.forward(sft_model, rows, PAD)
-    policy = run_infra.with_lora(run_infra.load_policy(sft_path, tokenizer), args)
+    policy = lora.with_lora(loading.load_policy(sft_path, tokenizer), args)
     with torch.no_grad():
         assert torch.equal(ppo.forward(policy, rows, PAD), expected)  # (B = 0)
         for name, parameter in policy.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(generator=torch.Generator().manual_seed(1))
         assert (ppo.forward(policy, rows, PAD) - expected).abs().max() > 1e-2
-        with run_infra.reference_policy(policy, None) as reference:
+        with lora.reference_policy(policy, None) as reference:
             assert torch.equal(ppo.forward(reference, rows, PAD), expected)
     assert {n.split(".")[-2] for n, p in policy.named_parameters() if p.requires_grad} == {"default"}
     assert all(("lora_A" in n or "lora_B" in n) for n, p in policy.named_parameters() if p.requires_grad)
 
-    critic = run_infra.with_lora(run_infra.load_reward_model(rm_path, tokenizer), args, head="score")
+    critic = lora.with_lora(loading.load_reward_model(rm_path, tokenizer), args, head="score")
     with torch.no_grad():
-        assert torch.equal(ppo.get_values(critic, rows, PAD), ppo.get_values(run_infra.load_reward_model(rm_path, tokenizer),
+        assert torch.equal(ppo.get_values(critic, rows, PAD), ppo.get_values(loading.load_reward_model(rm_path, tokenizer),
                                                                                rows, PAD))
     trainable = [n for n, p in critic.named_parameters() if p.requires_grad]
     assert [n for n in trainable if "lora_" not in n] == ["base_model.model.score.modules_to_save.default.weight"]

@@ -14,7 +14,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 
 from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script, tiny_llama_config,
                       run_until_signalled, signal_on_call, stop_and_copy, without_rates)
-from summarize_from_feedback_details import reward, run_infra, sft
+from summarize_from_feedback_details import reward, sft
+from summarize_from_feedback_details.infra import checkpoints, loading
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "reward.py")
@@ -78,7 +79,7 @@ def test_head_init_std_and_zero_bias(models_dir):
     reward.init_score_head(again, seed=1)
     assert torch.equal(again.score.weight, weight)  # the global seed alone decides: same on every rank
 
-    tokenizer = run_infra.load_tokenizer(sft_model(models_dir))
+    tokenizer = loading.load_tokenizer(sft_model(models_dir))
     model = reward.reward_model_to_train(sft_model(models_dir), tokenizer, head_seed=1)
     assert type(model).__name__ == "GPTNeoXForSequenceClassification" and model.config.num_labels == 1
     assert model.config.pad_token_id == tokenizer.pad_token_id == PAD
@@ -92,7 +93,7 @@ def test_head_init_std_and_zero_bias(models_dir):
 
 def test_reward_is_read_at_the_eos(tiny_datasets, models_dir):
     data_dir, _ = tiny_datasets
-    tokenizer = run_infra.load_tokenizer(sft_model(models_dir))
+    tokenizer = loading.load_tokenizer(sft_model(models_dir))
     model = reward.reward_model_to_train(sft_model(models_dir), tokenizer, head_seed=1).eval()
     rows = load_from_disk(os.path.join(data_dir, "preference"))["validation"].select(range(4))
     ids = torch.tensor(rows["query_chosen_token"])  # right-padded query+response
@@ -287,7 +288,7 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_data
         signal_on_call(patch, reward, "pair_rewards", 8)
         with pytest.raises(SystemExit) as stopped:
             run_reward(tiny_datasets, models_dir, workdir, "stopped", **common)
-    assert stopped.value.code == run_infra.CHECKPOINT_EXIT_CODE == 75
+    assert stopped.value.code == checkpoints.CHECKPOINT_EXIT_CODE == 75
     assert [n for n in os.listdir(tmp_path / "stopped") if n != ".lock"] == ["checkpoints"]  # (no model)
     assert os.listdir(tmp_path / "stopped" / "checkpoints") == ["update-0000003"]
     assert [m["step"] for m in read_metrics(workdir, "stopped")] == [6, 12, 18]
@@ -660,7 +661,7 @@ def test_lora_trains_adapters_and_head_and_saves_a_normalised_merged_model(tiny_
     assert p1.keys() == p4.keys()
     for key in p1:
         assert torch.allclose(p1[key], p4[key], rtol=1e-6, atol=1e-7), (key, (p1[key] - p4[key]).abs().max())
-    tokenizer = run_infra.load_tokenizer(sft_model(models_dir))
+    tokenizer = loading.load_tokenizer(sft_model(models_dir))
     initial = reward.reward_model_to_train(sft_model(models_dir), tokenizer, head_seed=3)
     adapted = ("query_key_value.weight", "attention.dense.weight", "dense_h_to_4h.weight", "dense_4h_to_h.weight")
     before = {k: v for k, v in initial.state_dict().items()}
@@ -732,9 +733,9 @@ def test_an_rmsnorm_reward_model_keeps_its_normalisation_in_the_config(tiny_data
     references = load_from_disk(os.path.join(data_dir, "sft"))["train"]
     ids = torch.tensor(references["query_reference_response_token"])
     left_padded = torch.cat([torch.tensor(references["query_token"]), torch.tensor(references["reference_response_token"])], 1)
-    tokenizer = run_infra.load_tokenizer(folder)
-    loaded = run_infra.load_reward_model(folder, tokenizer).eval()
-    run_infra.add_reward_offset(loaded)  # a second call adds nothing
+    tokenizer = loading.load_tokenizer(folder)
+    loaded = loading.load_reward_model(folder, tokenizer).eval()
+    loading.add_reward_offset(loaded)  # a second call adds nothing
     with torch.no_grad():
         raw = plain(input_ids=ids, attention_mask=ids != PAD).logits[:, 0]
         rewards = reward.get_reward(loaded, left_padded, PAD)

@@ -24,7 +24,7 @@ from datasets import DatasetDict, load_from_disk
 
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import reward, sft, synthetic_tldr, tiny_models, tldr_dataset, win_rates
-from summarize_from_feedback_details.run_infra import TOKENIZER_RECORD
+from summarize_from_feedback_details.infra.loading import TOKENIZER_RECORD
 
 SIZE = "m"
 PPO_UPDATES = 10

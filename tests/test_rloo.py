@@ -19,7 +19,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import (accelerate_launcher, command_line_flags, is_wall_clock, ratios_near_one, run_in_process,
                       run_script, signal_on_call, without_rates, side_by_side)
-from summarize_from_feedback_details import rloo, rollout, run_infra
+from summarize_from_feedback_details import rloo, rollout
+from summarize_from_feedback_details.infra import loading
+from summarize_from_feedback_details.infra.checkpoints import CHECKPOINT_EXIT_CODE
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -346,8 +348,8 @@ def test_a_querys_samples_share_the_query_and_come_from_their_own_seeds(base_run
     train = load_from_disk(os.path.join(tiny_datasets[0], "sft"))["train"]
     order = rloo.epoch_permutations(len(train), 1, args.seed)[:4]
     assert torch.equal(queries[::2], torch.tensor(train[order]["query_token"]))
-    tokenizer = run_infra.load_tokenizer(checkpoints[0])
-    sft = run_infra.load_policy(checkpoints[0], tokenizer).eval()
+    tokenizer = loading.load_tokenizer(checkpoints[0])
+    sft = loading.load_policy(checkpoints[0], tokenizer).eval()
     groups = [rollout.SamplingGroup(queries[::2][c: c + 2], 0.7, rollout.derived_seed(args.seed, 0, 1, c, j))
               for c in (0, 2) for j in range(2)]
     sampled = [response for response, _ in rollout.decode(sft, groups, PAD, 20)]
@@ -405,7 +407,7 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(base_run,
         signal_on_call(patch, rloo, "policy_objective", 4 + 2)
         with pytest.raises(SystemExit) as stopped:
             run_rloo(args, workdir)
-    assert stopped.value.code == run_infra.CHECKPOINT_EXIT_CODE
+    assert stopped.value.code == CHECKPOINT_EXIT_CODE
     assert os.listdir(os.path.join(workdir, "stopped", "checkpoints")) == ["update-0000002"]
     assert [m["step"] for m in read_metrics(workdir, "stopped")] == [1, 2]
     resumed = run_rloo(tiny_args(tiny_datasets, checkpoints, workdir, "stopped", resume=True, local_micro_batch_size=4,

@@ -15,12 +15,16 @@ import pytest
 import torch
 
 from conftest import run_in_process
-from summarize_from_feedback_details import dpo, ppo_left_padding, reward, run_infra, sft
+from summarize_from_feedback_details import dpo, ppo_left_padding, reward, sft
+from summarize_from_feedback_details.infra import checkpoints, launch, loading, preflight, tracking
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "summarize_from_feedback_details"
 STAGES = ("sft", "reward", "dpo", "ppo_left_padding", "rloo", "online_dpo")
-SHARED = ("run_infra", "rollout")
+# the run infrastructure, one concern a module (test_the_shared_modules_are_these lists the folder)
+INFRA = tuple(f"infra/{name}" for name in ("checkpoints", "flags", "launch", "loading", "lora", "preflight", "saving",
+                                           "tracking"))
+SHARED = INFRA + ("rollout",)
 # lines of the file / of main() (DESIGN.md section 1); PPO's update loop stays in main(), <= 160 lines
 BUDGETS = {"sft": (500, 150), "reward": (600, 150), "dpo": (600, 150), "ppo_left_padding": (850, 220),
            "rloo": (800, 200), "online_dpo": (650, 180)}
@@ -49,7 +53,7 @@ IDENTICAL_COPIES = [
 COPIED_ALGORITHM_HELPERS = {name for copy, _, names in IDENTICAL_COPIES if copy in STAGES for name in names}
 # names every stage defines for itself (different code under one name)
 OWN_IN_EVERY_STAGE = {"Args", "main", "evaluate"}
-# calls that build run infrastructure: a stage makes none of them itself, it calls run_infra
+# calls that build run infrastructure: a stage makes none of them itself, it calls the infra package
 INFRASTRUCTURE_CALLS = {"Accelerator", "InitProcessGroupKwargs", "GradientAccumulationPlugin", "broadcast",
                         "SummaryWriter", "Logger", "Checkpoints", "find_checkpoint", "manual_seed_all",
                         "save_pretrained", "push_to_hub", "end_training", "signal", "initialize", "get_peft_model",
@@ -113,10 +117,11 @@ def repeated_infrastructure(text: str) -> set:
 
 
 def test_run_infrastructure_is_defined_in_one_file():
-    """A function or class of run_infra.py / rollout.py is defined in no other module of the package;
-    a name defined in two stage files is one of the copied algorithm helpers, which the shared modules
-    do not define, or a stage's own (main, Args, evaluate)."""
+    """A function or class of the shared modules (infra/*.py, rollout.py) is defined in no other module
+    of the package, nor in two of them; a name defined in two stage files is one of the copied
+    algorithm helpers, which the shared modules do not define, or a stage's own (main, Args, evaluate)."""
     shared = {name for module in SHARED for name in top_level(module)}
+    assert len(shared) == sum(len(top_level(module)) for module in SHARED)
     others = [p.stem for p in PACKAGE.glob("*.py") if p.stem not in SHARED + ("__init__",)]
     for module in others:
         assert not shared & set(top_level(module)), (module, shared & set(top_level(module)))
@@ -182,7 +187,7 @@ def test_every_online_method_is_measured_in_one_place():
 @pytest.mark.parametrize("stage", STAGES)
 def test_stages_build_no_run_infrastructure_themselves(stage):
     """No stage constructs the accelerator, the logger, checkpoints, seeds, signals, hub calls, peft
-    wrappers, model loads or saves on its own: those calls live in run_infra.py."""
+    wrappers, model loads or saves on its own: those calls live in the infra package."""
     assert not infrastructure_calls(source(stage))
 
 
@@ -198,7 +203,7 @@ def test_no_block_of_run_infrastructure_is_repeated():
 
 def test_the_checks_can_fail():
     """A stage with a shared function pasted into it, or building its own Accelerator, is caught."""
-    pasted = source("sft") + "\n\n" + node_source("run_infra", top_level("run_infra")["find_checkpoint"])
+    pasted = source("sft") + "\n\n" + node_source("infra/checkpoints", top_level("infra/checkpoints")["find_checkpoint"])
     assert repeated_infrastructure(pasted) and not repeated_infrastructure(source("sft"))
     assert infrastructure_calls(source("sft") + "\naccelerator = Accelerator()\n") == {"Accelerator"}
 
@@ -209,15 +214,15 @@ def test_the_checks_can_fail():
 
 
 def test_looks_local_known_answers(tmp_path):
-    assert [run_infra.looks_local(p) for p in ("EleutherAI/pythia-1b-deduped", "gpt2", "models/x", "./x", "/abs",
+    assert [loading.looks_local(p) for p in ("EleutherAI/pythia-1b-deduped", "gpt2", "models/x", "./x", "/abs",
                                                "~/m", "a/b/c", str(tmp_path))] == \
         [False, False, False, True, True, True, True, True]
 
 
 def test_phase_timer_metrics_known_answer(monkeypatch):
     clock = iter([10.0, 11.0, 11.5, 12.0, 14.0, 14.0])  # start, gen in/out, gen in/out, metrics
-    monkeypatch.setattr(run_infra.PhaseTimer, "clock", staticmethod(lambda: next(clock)))
-    timer = run_infra.PhaseTimer(torch.device("cpu"))
+    monkeypatch.setattr(tracking.PhaseTimer, "clock", staticmethod(lambda: next(clock)))
+    timer = tracking.PhaseTimer(torch.device("cpu"))
     with timer("generation"):
         pass
     with timer("generation"):
@@ -230,14 +235,14 @@ def test_phase_timer_metrics_known_answer(monkeypatch):
 def test_gather_global_on_one_process_returns_the_tensors():
     accelerator = types.SimpleNamespace(gather=lambda t: t.clone())
     mask, values = torch.tensor([[True, False]]), torch.tensor([1.5, 2.5])
-    gathered_mask, gathered_values = run_infra.gather_global(accelerator, mask, values)
+    gathered_mask, gathered_values = launch.gather_global(accelerator, mask, values)
     assert gathered_mask.dtype == torch.bool and torch.equal(gathered_mask, mask)
     assert torch.equal(gathered_values, values)
 
 
 def test_lora_identity_is_part_of_the_checkpoint_identity():
-    assert run_infra.lora_identity(sft.Args()) is None
-    assert run_infra.lora_identity(sft.Args(use_peft=True, lora_r=4)) == [4, 32.0, ["all-linear"], False]
+    assert checkpoints.lora_identity(sft.Args()) is None
+    assert checkpoints.lora_identity(sft.Args(use_peft=True, lora_r=4)) == [4, 32.0, ["all-linear"], False]
 
 
 @pytest.mark.parametrize("module", [sft, reward, dpo, ppo_left_padding])
@@ -264,7 +269,7 @@ def test_start_run_names_seeds_and_refuses(tmp_path):
 
     def started(args):
         holder = {}
-        run_in_process(lambda a: holder.setdefault("run", run_infra.start_run(a, {"stage": "sft"})), args, tmp_path)
+        run_in_process(lambda a: holder.setdefault("run", launch.start_run(a, {"stage": "sft"})), args, tmp_path)
         return holder["run"]
 
     run = started(args)
@@ -286,7 +291,7 @@ def test_batch_arithmetic_line(capsys, tmp_path):
     args = ppo_left_padding.Args(total_episodes=100, local_micro_batch_size=2, gradient_accumulation_steps=4,
                                  nminibatches=2, local_rollout_forward_batch_size=4)
     ppo_left_padding.derive_batch_sizes(args, 1)
-    run = run_infra.Run(args, types.SimpleNamespace(is_main_process=True, state=types.SimpleNamespace(
+    run = launch.Run(args, types.SimpleNamespace(is_main_process=True, state=types.SimpleNamespace(
         deepspeed_plugin=None)), {}, None, 1, None)
     run.print_batch_arithmetic("episodes", "offload False")
     printed = " ".join(capsys.readouterr().out.split())
@@ -299,7 +304,13 @@ def test_shared_modules_say_why_they_exist():
     for module in SHARED:
         doc = ast.get_docstring(ast.parse(source(module)))
         assert doc and "changes" in doc and "result" in doc, module
-    assert os.path.exists(PACKAGE / "run_infra.py") and os.path.exists(PACKAGE / "rollout.py")
+    assert all(os.path.exists(PACKAGE / f"{module}.py") for module in SHARED)
+
+
+def test_the_shared_modules_are_these():
+    """Every module of the infra package is in INFRA, so every check above covers it."""
+    assert sorted(f"infra/{p.stem}" for p in (PACKAGE / "infra").glob("*.py") if p.stem != "__init__") == sorted(INFRA)
+
 
 
 def fake_nvidia_smi(tmp_path, monkeypatch, lines: str) -> None:
@@ -320,23 +331,23 @@ def test_gpus_that_torch_cannot_see_stop_a_run(tmp_path, monkeypatch):
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    assert run_infra.nvidia_smi_gpus() == [] and run_infra.cuda_problem() is None
+    assert preflight.nvidia_smi_gpus() == [] and preflight.cuda_problem() is None
     fake_nvidia_smi(tmp_path, monkeypatch, "NVIDIA H100 80GB HBM3, 535.104.05\\nNVIDIA H100 80GB HBM3, 535.104.05\\n")
-    assert run_infra.nvidia_smi_gpus() == [("NVIDIA H100 80GB HBM3", "535.104.05")] * 2
-    problem = run_infra.cuda_problem()
+    assert preflight.nvidia_smi_gpus() == [("NVIDIA H100 80GB HBM3", "535.104.05")] * 2
+    problem = preflight.cuda_problem()
     assert problem.startswith("nvidia-smi lists 2 GPU(s) (NVIDIA H100 80GB HBM3, driver 535.104.05) but torch "
                               "sees none: torch ") and "is a CPU build" in problem and "ACCELERATE_USE_CPU=1" in problem
-    monkeypatch.setattr(run_infra.torch.version, "cuda", "13.0")
+    monkeypatch.setattr(preflight.torch.version, "cuda", "13.0")
     assert "built for CUDA 13.0, which needs NVIDIA driver 580 or newer, and this node's driver is 535.104.05" in \
-        run_infra.cuda_problem()
+        preflight.cuda_problem()
     args = sft.Args(world_size=1, output_dir=str(tmp_path / "out"))
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     with pytest.raises(RuntimeError, match="torch sees none"):
-        run_in_process(lambda a: run_infra.start_run(a, {}), args, tmp_path)
+        run_in_process(lambda a: launch.start_run(a, {}), args, tmp_path)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
-    run_in_process(lambda a: run_infra.start_run(a, {}), args, tmp_path)
+    run_in_process(lambda a: launch.start_run(a, {}), args, tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert run_infra.cuda_problem() is None
+    assert preflight.cuda_problem() is None
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     check = subprocess.run([sys.executable, "-m", "summarize_from_feedback_details.check_gpu"], capture_output=True,
                            text=True)
@@ -354,16 +365,16 @@ def test_what_may_change_on_resume_is_marked_on_the_field():
     @dataclasses.dataclass
     class Args:
         lr: float = 1.0
-        local_micro_batch_size: run_infra.Resumable[int] = 2
-        world_size: run_infra.Resumable[tyro.conf.Suppress[Optional[int]]] = None
+        local_micro_batch_size: checkpoints.Resumable[int] = 2
+        world_size: checkpoints.Resumable[tyro.conf.Suppress[Optional[int]]] = None
 
-    assert run_infra.resumable_fields(Args) == {"local_micro_batch_size", "world_size"}
-    assert run_infra.run_settings(Args(local_micro_batch_size=8, world_size=2)) == {"lr": 1.0}
+    assert checkpoints.resumable_fields(Args) == {"local_micro_batch_size", "world_size"}
+    assert checkpoints.run_settings(Args(local_micro_batch_size=8, world_size=2)) == {"lr": 1.0}
     knobs = {"local_micro_batch_size", "gradient_accumulation_steps", "local_eval_batch_size", "deepspeed",
              "gradient_checkpointing", "output_dir", "run_name", "resume", "checkpoint_every", "track", "world_size"}
     results = {"lr", "seed", "base_model", "query_dataset", "total_episodes", "packing"}
     for stage in (sft, reward, dpo, ppo_left_padding):
-        marked = run_infra.resumable_fields(stage.Args)
+        marked = checkpoints.resumable_fields(stage.Args)
         assert knobs <= marked and not results & marked, (stage.__name__, knobs - marked, results & marked)
 
 
@@ -371,12 +382,12 @@ def test_changed_settings_known_answer():
     """What a resume compares: every Args field but the memory knobs and the run's plumbing, nested
     dataclasses (PPO's --ppo.*) field by field."""
     args = ppo_left_padding.Args()
-    saved = run_infra.run_settings(args)
+    saved = checkpoints.run_settings(args)
     assert "lr" in saved and "sft_model_path" in saved and saved["ppo"]["kl_coef"] == 0.05
     assert not {"local_micro_batch_size", "gradient_accumulation_steps", "resume", "run_name", "track"} & set(saved)
     changed = ppo_left_padding.Args(lr=1e-5, local_micro_batch_size=8, run_name="other")
     changed.ppo.kl_coef = 0.1
-    assert run_infra.changed_settings(saved, run_infra.run_settings(changed)) == [
+    assert checkpoints.changed_settings(saved, checkpoints.run_settings(changed)) == [
         "lr 3e-06 there, 1e-05 here", "ppo.kl_coef 0.05 there, 0.1 here"]
 
 
@@ -389,28 +400,28 @@ def test_progress_lines_where_no_terminal_shows_a_bar(capsys, monkeypatch):
     """Not a terminal (pytest captures stdout): a plain line every total / 20 items, one whenever a
     minute has passed since the last, and the last one; each with done / total, the status and an ETA."""
     clock = iter([0.0] + [float(t) for t in range(10, 1000, 10)])
-    monkeypatch.setattr(run_infra.time, "time", lambda: next(clock))
+    monkeypatch.setattr(tracking.time, "time", lambda: next(clock))
     status = {"loss": 0.0}
-    for i in run_infra.progress(range(40), 40, "sft", status=lambda: f"loss {status['loss']:.2f}"):
+    for i in tracking.progress(range(40), 40, "sft", status=lambda: f"loss {status['loss']:.2f}"):
         status["loss"] = i / 10
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 20 and lines[0] == "sft 2/40 (5%) | loss 0.10 | 0:00:20 elapsed, ETA 0:06:20"
     assert lines[-1] == "sft 40/40 (100%) | loss 3.90 | 0:06:40 elapsed, ETA 0:00:00"
     # slow items: the minute rule; a loop left early still ends with its line
     clock = iter([0.0] + [float(t) for t in range(70, 10000, 70)])
-    for i in run_infra.progress(range(1000), 1000, "ppo"):
+    for i in tracking.progress(range(1000), 1000, "ppo"):
         if i == 2:
             break
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["ppo 1/1000 (0%) | 0:01:10 elapsed, ETA 19:25:30", "ppo 2/1000 (0%) | 0:02:20 elapsed, ETA 19:24:20"]
-    assert list(run_infra.progress(range(3), 3, "quiet", enabled=False)) == [0, 1, 2]
+    assert list(tracking.progress(range(3), 3, "quiet", enabled=False)) == [0, 1, 2]
     assert capsys.readouterr().out == ""
 
 
 def test_metrics_jsonl_is_strict_json(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = sft.Args(run_name="strict", on_nonfinite="skip")
-    logger = run_infra.Logger(args, types.SimpleNamespace(is_main_process=True))
+    logger = tracking.Logger(args, types.SimpleNamespace(is_main_process=True))
     logger.log({"loss": float("nan"), "kl": float("inf"), "lr": 0.5}, 1)
     logger.close()
     line = (tmp_path / "runs" / "strict" / "metrics.jsonl").read_text()
@@ -436,14 +447,14 @@ def test_a_model_path_without_the_head_the_stage_needs_is_refused(tmp_path):
     causal, classifier = save_tiny(tmp_path / "sft", "causal"), save_tiny(tmp_path / "rm", "reward")
     with pytest.raises(ValueError, match=r"sft: expected a reward model \(a reward model from reward.py\), found a "
                                          r"GPTNeoXForCausalLM checkpoint, without score.weight"):
-        run_infra.checked_load(AutoModelForSequenceClassification, causal, "reward model", num_labels=1)
+        loading.checked_load(AutoModelForSequenceClassification, causal, "reward model", num_labels=1)
     with pytest.raises(ValueError, match=r"rm: expected a causal LM .* found a GPTNeoXForSequenceClassification "
                                          r"checkpoint, without lm_head.weight"):
-        run_infra.checked_load(AutoModelForCausalLM, classifier, "causal LM")
-    assert run_infra.checked_load(AutoModelForSequenceClassification, causal, "reward model", new_head="score",
+        loading.checked_load(AutoModelForCausalLM, classifier, "causal LM")
+    assert loading.checked_load(AutoModelForSequenceClassification, causal, "reward model", new_head="score",
                                   num_labels=1).score.weight.shape == (1, 16)
-    run_infra.checked_load(AutoModelForSequenceClassification, classifier, "reward model", num_labels=1)
-    run_infra.checked_load(AutoModelForCausalLM, causal, "causal LM")
+    loading.checked_load(AutoModelForSequenceClassification, classifier, "reward model", num_labels=1)
+    loading.checked_load(AutoModelForCausalLM, causal, "causal LM")
 
 
 def swapped_tokenizer(tokenizer_dir, path) -> str:
@@ -469,33 +480,33 @@ def test_models_and_datasets_of_another_tokenizer_are_refused(tokenizer_dir, tin
     from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification
 
     other = swapped_tokenizer(tokenizer_dir, tmp_path / "other")
-    ours = run_infra.load_tokenizer(tokenizer_dir)
-    assert len(run_infra.load_tokenizer(other)) == len(ours)
-    assert run_infra.tokenizer_fingerprint(run_infra.load_tokenizer(other)) != run_infra.tokenizer_fingerprint(ours)
+    ours = loading.load_tokenizer(tokenizer_dir)
+    assert len(loading.load_tokenizer(other)) == len(ours)
+    assert loading.tokenizer_fingerprint(loading.load_tokenizer(other)) != loading.tokenizer_fingerprint(ours)
     data = [os.path.join(tiny_datasets[0], name) for name in ("sft", "preference")]
-    run_infra.load_tokenizer(tokenizer_dir, *data)
+    loading.load_tokenizer(tokenizer_dir, *data)
     for dataset in data:
         with pytest.raises(ValueError, match=rf"dataset {dataset} was tokenized with {tokenizer_dir}, whose tokenizer "
                                              rf"differs from {other}'s: its token ids would mean other text"):
-            run_infra.load_tokenizer(other, dataset)
+            loading.load_tokenizer(other, dataset)
 
     def reward_model(path, rows, tokenizer_from=None):
         config = GPTNeoXConfig(vocab_size=rows, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                intermediate_size=32, num_labels=1, pad_token_id=1)
         GPTNeoXForSequenceClassification(config).save_pretrained(path)
         if tokenizer_from:
-            run_infra.load_tokenizer(tokenizer_from).save_pretrained(path)
+            loading.load_tokenizer(tokenizer_from).save_pretrained(path)
         return str(path)
 
     with pytest.raises(ValueError, match=rf"{tmp_path}/rm_other was saved with another tokenizer than "
                                          rf"{tokenizer_dir}'s"):
-        run_infra.load_reward_model(reward_model(tmp_path / "rm_other", len(ours), other), ours)
-    assert run_infra.load_reward_model(reward_model(tmp_path / "rm", len(ours), tokenizer_dir), ours) is not None
+        loading.load_reward_model(reward_model(tmp_path / "rm_other", len(ours), other), ours)
+    assert loading.load_reward_model(reward_model(tmp_path / "rm", len(ours), tokenizer_dir), ours) is not None
     with pytest.raises(ValueError, match=rf"{tmp_path}/rm_512 has 512 embedding rows, fewer than the {len(ours)} "
                                          rf"tokens of {tokenizer_dir}'s tokenizer: it was built on another tokenizer"):
-        run_infra.load_reward_model(reward_model(tmp_path / "rm_512", 512), ours)
+        loading.load_reward_model(reward_model(tmp_path / "rm_512", 512), ours)
     ours.added_pad = True  # (as load_tokenizer marks a tokenizer it gave a [PAD]: that one row may be added)
-    grown = run_infra.load_reward_model(reward_model(tmp_path / "rm_short", len(ours) - 1), ours)
+    grown = loading.load_reward_model(reward_model(tmp_path / "rm_short", len(ours) - 1), ours)
     assert grown.get_input_embeddings().num_embeddings == len(ours)
 
 
@@ -505,8 +516,8 @@ def test_a_folder_a_failed_run_left_is_named_as_holding_no_model(tmp_path):
     failed = tmp_path / "failed"
     (failed / "checkpoints" / "update-0000002").mkdir(parents=True)
     (failed / ".lock").write_text("")
-    for load in (lambda: run_infra.load_tokenizer(str(failed)), lambda: run_infra.load_policy(str(failed), None),
-                 lambda: run_infra.load_reward_model(str(failed), None)):
+    for load in (lambda: loading.load_tokenizer(str(failed)), lambda: loading.load_policy(str(failed), None),
+                 lambda: loading.load_reward_model(str(failed), None)):
         with pytest.raises(FileNotFoundError, match=rf"model path {failed} holds no model \(no \w+.json; it holds "
                                                     r"\.lock, checkpoints\): a failed or unfinished run\? Its "
                                                     r"checkpoints/ can be finished with the same command and --resume"):
@@ -514,8 +525,8 @@ def test_a_folder_a_failed_run_left_is_named_as_holding_no_model(tmp_path):
     (failed / "checkpoints" / "update-0000002").rmdir()
     (failed / "checkpoints").rmdir()
     with pytest.raises(FileNotFoundError, match=r"it holds \.lock\): a failed or unfinished run\?$"):
-        run_infra.check_model_path(str(failed))
-    run_infra.check_model_path(save_tiny(tmp_path / "model", "causal"))  # a saved model passes
+        loading.check_model_path(str(failed))
+    loading.check_model_path(save_tiny(tmp_path / "model", "causal"))  # a saved model passes
 
 
 def test_a_run_without_resume_leaves_an_earlier_run_as_it_was(tmp_path, monkeypatch):
@@ -533,7 +544,7 @@ def test_a_run_without_resume_leaves_an_earlier_run_as_it_was(tmp_path, monkeypa
 
     def start(**changes):
         args = sft.Args(**{"output_dir": str(tmp_path / "out"), "world_size": 1, **changes})
-        run_in_process(lambda a: run_infra.start_run(a, {"stage": "sft"}), args, tmp_path)
+        run_in_process(lambda a: launch.start_run(a, {"stage": "sft"}), args, tmp_path)
 
     with pytest.raises(FileExistsError, match=rf"--output_dir {tmp_path}/out holds checkpoints of an earlier run "
                                               rf"\(newest: update-0000004\), and --resume was not given. --resume "
@@ -555,37 +566,37 @@ def test_an_output_folder_in_use_is_refused_and_no_lock_outlives_its_run(tmp_pat
     import subprocess
     import sys
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom summarize_from_feedback_details import "
-                               f"run_infra\nheld = run_infra.lock_output_dir({str(tmp_path)!r})\nprint('held', flush=True)\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom summarize_from_feedback_details.infra "
+                               f"import preflight\nheld = preflight.lock_output_dir({str(tmp_path)!r})\nprint('held', flush=True)\n"
                                "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         with pytest.raises(RuntimeError, match=rf"--output_dir {tmp_path} is in use by a running run \(pid "
                                                rf"{holder.pid} on .*Wait for it, stop it, or choose another"):
-            run_infra.lock_output_dir(str(tmp_path))
+            preflight.lock_output_dir(str(tmp_path))
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    run_infra.lock_output_dir(str(tmp_path)).close()
+    preflight.lock_output_dir(str(tmp_path)).close()
 
 
 def test_an_output_dir_that_cannot_be_made_is_named(tmp_path):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(NotADirectoryError, match=rf"--output_dir {tmp_path}/a_file/out cannot be created or written: "
                                                  rf"Not a directory \({tmp_path}/a_file/out\)"):
-        run_infra.lock_output_dir(str(tmp_path / "a_file" / "out"))
+        preflight.lock_output_dir(str(tmp_path / "a_file" / "out"))
 
 
 def test_settings_that_cannot_work_are_named():
-    run_infra.check_settings(sft.Args())
+    preflight.check_settings(sft.Args())
     with pytest.raises(ValueError, match="--response_length must be >= 1, got 0"):
-        run_infra.check_settings(sft.Args(response_length=0))
+        preflight.check_settings(sft.Args(response_length=0))
     with pytest.raises(ValueError, match="--local_rollout_forward_batch_size must be >= 1, got 0"):
-        run_infra.check_settings(ppo_left_padding.Args(local_rollout_forward_batch_size=0))
+        preflight.check_settings(ppo_left_padding.Args(local_rollout_forward_batch_size=0))
     with pytest.raises(ValueError, match="--checkpoint_every must be >= 0"):
-        run_infra.check_settings(reward.Args(checkpoint_every=-1))
+        preflight.check_settings(reward.Args(checkpoint_every=-1))
     with pytest.raises(ValueError, match=r"q has no 'validation' split, which --run_eval needs \(it has 'train'\)"):
-        run_infra.require_splits({"train": None}, "q", ("validation",), "--run_eval")
+        loading.require_splits({"train": None}, "q", ("validation",), "--run_eval")
 
 
 def test_no_library_noise_on_the_command_line():
@@ -605,18 +616,18 @@ def test_no_library_noise_on_the_command_line():
 
 
 def test_early_warnings_fire_once_at_the_first_crossing_and_survive_a_resume():
-    thresholds = run_infra.parse_warnings(["kl=2", "entropy=0.5", "length_change=0.25"])
+    thresholds = tracking.parse_warnings(["kl=2", "entropy=0.5", "length_change=0.25"])
     assert thresholds == {"kl": 2.0, "entropy": 0.5, "length_change": 0.25}
     history = [  # (objective/kl, objective/entropy, ppo/val/response_length) per update
         (0.1, 1.0, 20.0), (1.5, 0.8, 22.0), (2.5, 0.6, 26.0), (3.0, 0.4, 30.0), (1.0, 0.3, 31.0)]
-    warnings = run_infra.EarlyWarnings(thresholds)
+    warnings = tracking.EarlyWarnings(thresholds)
     fired = {}
     for update, (kl, entropy, length) in enumerate(history, start=1):
         metrics = {"objective/kl": kl, "objective/entropy": entropy, "ppo/val/response_length": length}
         for message in warnings.check(metrics, update):
             fired.setdefault(update, []).append(message)
         if update == 2:  # a checkpoint here: the resumed run goes on from its state
-            warnings = run_infra.EarlyWarnings(thresholds, json.loads(json.dumps(warnings.state())))
+            warnings = tracking.EarlyWarnings(thresholds, json.loads(json.dumps(warnings.state())))
     # kl above 2 first at update 3; entropy below 0.5 at 4; length 26 / 20 - 1 = +30% > 25% at 3; each once
     assert {u: len(m) for u, m in fired.items()} == {3: 2, 4: 1}
     assert fired[3][0] == "early warning at update 3: objective/kl 2.5 above 2 (--warn kl=2)"
@@ -624,10 +635,10 @@ def test_early_warnings_fire_once_at_the_first_crossing_and_survive_a_resume():
                            "(--warn length_change=0.25)")
     assert "objective/entropy 0.4 below 0.5" in fired[4][0]
     # the same rule afterwards, from a metric's history (eval/overoptimization.py)
-    assert run_infra.first_warning([h[0] for h in history], "kl", 2.0) == 2
-    assert run_infra.first_warning([h[2] for h in history], "length_change", 0.25) == 2
-    assert run_infra.first_warning([h[1] for h in history], "entropy", 0.1) is None
+    assert tracking.first_warning([h[0] for h in history], "kl", 2.0) == 2
+    assert tracking.first_warning([h[2] for h in history], "length_change", 0.25) == 2
+    assert tracking.first_warning([h[1] for h in history], "entropy", 0.1) is None
     for bad, message in ((["loss=1"], "the signals are kl=X, entropy=X, length_change=X"), (["kl=high"], "not a number"),
                          (["length_change=0"], "a fraction above 0")):
         with pytest.raises(ValueError, match=message):
-            run_infra.parse_warnings(bad)
+            tracking.parse_warnings(bad)

@@ -14,7 +14,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 
 from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script, tiny_llama_config,
                       run_until_signalled, signal_on_call, without_rates)
-from summarize_from_feedback_details import packing, run_infra, sft
+from summarize_from_feedback_details import packing, sft
+from summarize_from_feedback_details.infra import checkpoints, launch, lora, saving, tracking
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "summarize_from_feedback_details", "sft.py")
@@ -71,7 +72,7 @@ def test_loss_normalisation_is_additive_over_micro_batches():
 
 
 def test_clipping_norm_unset_or_not_positive_means_off():
-    assert [run_infra.clipping_norm(x) for x in (None, 0.0, -1.0, 0.5, 1e9)] == [None, None, None, 0.5, 1e9]
+    assert [launch.clipping_norm(x) for x in (None, 0.0, -1.0, 0.5, 1e9)] == [None, None, None, 0.5, 1e9]
     assert sft.Args().max_grad_norm is None  # the paper's runs did not clip (DESIGN section 4)
 
 
@@ -247,7 +248,7 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(tiny_data
         signal_on_call(patch, sft, "sequence_losses", 6)
         with pytest.raises(SystemExit) as stopped:
             sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", **common)
-    assert stopped.value.code == run_infra.CHECKPOINT_EXIT_CODE == 75
+    assert stopped.value.code == checkpoints.CHECKPOINT_EXIT_CODE == 75
     assert os.listdir(tmp_path / "stopped" / "checkpoints") == ["update-0000003"]
     assert len(losses(read_metrics(tmp_path, "stopped"))) == 3
     resumed, p_resumed = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", resume=True, **common)
@@ -288,16 +289,16 @@ def test_checkpoints_are_kept_and_bad_ones_refused(tiny_datasets, tokenizer_dir,
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["update-0000002", "update-0000003"]
     identity = {"stage": "sft", "seed": 3, "batch_size": 8, "total_episodes": 24, "num_updates": 3}
     os.makedirs(os.path.join(out, "checkpoints", ".update-0000004.partial"))  # killed while writing
-    path, state = run_infra.find_checkpoint(out, identity, world_size=1, deepspeed=False)
+    path, state = checkpoints.find_checkpoint(out, identity, world_size=1, deepspeed=False)
     assert path.endswith("update-0000003") and state["update"] == 3 and state["run_name"] == "run"
     with pytest.raises(FileNotFoundError, match=r"--resume: no checkpoint in .*/nothing/checkpoints"):
-        run_infra.find_checkpoint(str(tmp_path / "nothing"), identity, world_size=1, deepspeed=False)
+        checkpoints.find_checkpoint(str(tmp_path / "nothing"), identity, world_size=1, deepspeed=False)
     with pytest.raises(ValueError, match=r"update-0000003 is not a checkpoint of this run: stage 'sft' there, 'reward' here"):
-        run_infra.find_checkpoint(out, {**identity, "stage": "reward"}, world_size=1, deepspeed=False)
+        checkpoints.find_checkpoint(out, {**identity, "stage": "reward"}, world_size=1, deepspeed=False)
     with pytest.raises(ValueError, match=r"batch_size 8 there, 16 here; num_updates 3 there, 1 here"):
-        run_infra.find_checkpoint(out, {**identity, "batch_size": 16, "num_updates": 1}, world_size=1, deepspeed=False)
+        checkpoints.find_checkpoint(out, {**identity, "batch_size": 16, "num_updates": 1}, world_size=1, deepspeed=False)
     with pytest.raises(ValueError, match=r"update-0000003 was written without DeepSpeed"):
-        run_infra.find_checkpoint(out, identity, world_size=1, deepspeed=True)
+        checkpoints.find_checkpoint(out, identity, world_size=1, deepspeed=True)
     # a corrupt model file: the run stops, naming the checkpoint
     with open(os.path.join(path, "state.pt"), "wb") as f:
         f.write(b"not a torch file")
@@ -306,7 +307,7 @@ def test_checkpoints_are_kept_and_bad_ones_refused(tiny_datasets, tokenizer_dir,
     with open(os.path.join(path, "trainer_state.json"), "w") as f:
         f.write("{truncated")
     with pytest.raises(ValueError, match=r"update-0000003/trainer_state.json: not a readable checkpoint state"):
-        run_infra.find_checkpoint(out, identity, world_size=1, deepspeed=False)
+        checkpoints.find_checkpoint(out, identity, world_size=1, deepspeed=False)
     with pytest.raises(ValueError, match="--resume and --checkpoint_every keep checkpoints in <output_dir>"):
         run_in_process(sft.main, sft.Args(base_model=tokenizer_dir, query_dataset=os.path.join(tiny_datasets[0], "sft"),
                                           output_dir="", resume=True), str(tmp_path))
@@ -330,7 +331,7 @@ def assert_nothing_lost(error, out, rescue, checkpointed_run):
         in message and message.endswith(f": move its files into {out}")
     assert os.listdir(os.path.join(out, "checkpoints")) == ["update-0000001"]
     assert not [n for n in os.listdir(out) if "partial" in n]
-    assert run_infra.find_checkpoint(out, {"stage": "sft"}, 1, False)[1]["update"] == 1
+    assert checkpoints.find_checkpoint(out, {"stage": "sft"}, 1, False)[1]["update"] == 1
     (rescued,) = [n for n in os.listdir(rescue) if n.startswith("rescued_")]  # ($TMPDIR: torch may cache there)
     saved = load_file(os.path.join(rescue, rescued, "model.safetensors"))
     assert saved.keys() == checkpointed_run.keys() and all(torch.equal(saved[k], checkpointed_run[k]) for k in saved)
@@ -346,7 +347,7 @@ def test_a_failed_checkpoint_and_final_save_lose_nothing(tiny_datasets, tokenize
     saying where."""
     from safetensors import SafetensorError
 
-    writes, original_write, original_model = [], run_infra.Checkpoints.write, run_infra.write_model
+    writes, original_write, original_model = [], checkpoints.Checkpoints.write, saving.write_model
 
     def checkpoint_write(self, partial, *rest):
         writes.append(partial)
@@ -362,8 +363,8 @@ def test_a_failed_checkpoint_and_final_save_lose_nothing(tiny_datasets, tokenize
     out, rescue = str(tmp_path / "full"), tmp_path / "rescue"
     rescue.mkdir()
     monkeypatch.setenv("TMPDIR", str(rescue))
-    monkeypatch.setattr(run_infra.Checkpoints, "write", checkpoint_write)
-    monkeypatch.setattr(run_infra, "write_model", model_write)
+    monkeypatch.setattr(checkpoints.Checkpoints, "write", checkpoint_write)
+    monkeypatch.setattr(launch, "write_model", model_write)
     with pytest.raises(RuntimeError) as error:
         sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "full", **FULL_DISK_RUN)
     printed = " ".join(capsys.readouterr().out.split())
@@ -402,15 +403,15 @@ def test_a_disk_that_cannot_hold_the_model_is_refused_before_training(tmp_path):
     module = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
                                               num_attention_heads=2, intermediate_size=32))
     numel = sum(p.numel() for p in module.parameters())
-    assert run_infra.disk_needs(module) == (numel * 4, numel * 12)  # fp32 weights; + AdamW's two fp32 moments
+    assert saving.disk_needs(module) == (numel * 4, numel * 12)  # fp32 weights; + AdamW's two fp32 moments
     free = shutil.disk_usage(tmp_path).free
     with pytest.raises(OSError, match=rf"--output_dir {tmp_path}: the trained model needs about .* at the end of the "
                                       r"run, and its disk has .* free. Free space there or choose another --output_dir"):
-        run_infra.check_disk_space(str(tmp_path), free + 2 ** 30, 0, 0)
-    assert run_infra.check_disk_space(str(tmp_path), 1, free, 0) is None  # no checkpoints asked for
-    assert "a checkpoint that does not fit is skipped with a warning" in run_infra.check_disk_space(
+        saving.check_disk_space(str(tmp_path), free + 2 ** 30, 0, 0)
+    assert saving.check_disk_space(str(tmp_path), 1, free, 0) is None  # no checkpoints asked for
+    assert "a checkpoint that does not fit is skipped with a warning" in saving.check_disk_space(
         str(tmp_path), 1, free, 2)
-    assert [run_infra.human_bytes(b) for b in (512, 3 * 2 ** 19, 5 * 2 ** 30)] == ["512 B", "1.5 MiB", "5.0 GiB"]
+    assert [saving.human_bytes(b) for b in (512, 3 * 2 ** 19, 5 * 2 ** 30)] == ["512 B", "1.5 MiB", "5.0 GiB"]
 
 
 def read_metrics(workdir, name) -> list:
@@ -522,7 +523,7 @@ def test_deepspeed_resume_equals_the_uninterrupted_run(tiny_datasets, tokenizer_
     assert without_rates(resumed) == without_rates(whole)
     assert_same_params(p_whole, p_resumed, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"DeepSpeed's ZeRO checkpoint of 2 processes loads only on as many"):
-        run_infra.find_checkpoint(str(tmp_path / "stopped"), {}, world_size=1, deepspeed=True)
+        checkpoints.find_checkpoint(str(tmp_path / "stopped"), {}, world_size=1, deepspeed=True)
 
 
 def test_deepspeed_flag_without_deepspeed_is_an_error(tiny_datasets, tokenizer_dir, tmp_path):
@@ -573,7 +574,7 @@ def test_logger_uses_wandb_only_for_its_own_tracked_run(tmp_path, monkeypatch):
     import wandb
 
     monkeypatch.chdir(tmp_path)
-    logger = run_infra.Logger(sft.Args(run_name="untracked"), types.SimpleNamespace(is_main_process=True))
+    logger = tracking.Logger(sft.Args(run_name="untracked"), types.SimpleNamespace(is_main_process=True))
     logger.table("validation_table", pd.DataFrame({"query": ["q"], "postprocessed_response": ["r"]}))
     logger.close()
     assert wandb.run is None
@@ -704,14 +705,14 @@ def test_load_in_4bit_trains_lora_over_nf4_weights(tiny_datasets, tokenizer_dir,
 def test_peft_settings_that_cannot_work_are_refused(monkeypatch):
     def fails(match, deepspeed=False, **settings):
         with pytest.raises(ValueError, match=match):
-            run_infra.check_peft_args(sft.Args(**settings), deepspeed)
+            lora.check_peft_args(sft.Args(**settings), deepspeed)
 
     fails("add --use_peft", load_in_4bit=True)
     fails("--lora_r must be >= 1", use_peft=True, lora_r=0)
     fails(r"--lora_dropout must be in \[0, 1\)", use_peft=True, lora_dropout=1.0)
     fails("DeepSpeed cannot partition", deepspeed=True, use_peft=True, load_in_4bit=True)
-    run_infra.check_peft_args(sft.Args(use_peft=True, load_in_4bit=True), False)  # this machine: fine
-    monkeypatch.setattr(run_infra.platform, "machine", lambda: "arm64")
+    lora.check_peft_args(sft.Args(use_peft=True, load_in_4bit=True), False)  # this machine: fine
+    monkeypatch.setattr(lora.platform, "machine", lambda: "arm64")
     fails("need a CUDA GPU or an x86-64 CPU with AVX2; this machine has no GPU and a arm64 CPU",
           use_peft=True, load_in_4bit=True)
 
@@ -774,7 +775,7 @@ def test_divergence_stops_the_run_and_keeps_the_last_checkpoint(tiny_datasets, t
     common = dict(total_episodes=32, local_micro_batch_size=4, gradient_accumulation_steps=2, checkpoint_every=1)
     with pytest.raises(SystemExit) as stopped:
         sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "diverged", lr=1e9, **common)
-    assert stopped.value.code == run_infra.NONFINITE_EXIT_CODE == 1
+    assert stopped.value.code == launch.NONFINITE_EXIT_CODE == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "STOPPED: update 2, optimizer step: non-finite loss" in out and "No model saved" in out
     assert not os.path.exists(tmp_path / "diverged" / "model.safetensors")
@@ -827,13 +828,13 @@ def test_ctrl_c_mid_update_checkpoints_and_resumes_to_the_uninterrupted_run(tiny
     handlers = []
     with monkeypatch.context() as patch:
         signal_on_call(patch, sft, "sequence_losses", 3, signum=signal.SIGINT)
-        original = run_infra.Checkpoints.exit_after_stop
+        original = checkpoints.Checkpoints.exit_after_stop
 
         def note_handler(self, *args):
             handlers.append(signal.getsignal(signal.SIGINT))
             original(self, *args)
 
-        patch.setattr(run_infra.Checkpoints, "exit_after_stop", note_handler)
+        patch.setattr(checkpoints.Checkpoints, "exit_after_stop", note_handler)
         with pytest.raises(SystemExit) as stopped:
             sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", **common)
     assert stopped.value.code == 75 and handlers == [signal.default_int_handler]

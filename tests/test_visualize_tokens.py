@@ -10,7 +10,8 @@ import tyro
 from datasets import load_from_disk
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from summarize_from_feedback_details import reward, run_infra
+from summarize_from_feedback_details import reward
+from summarize_from_feedback_details.infra import loading
 from summarize_from_feedback_details.hello_world_report import reward_scores
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +45,7 @@ def checkpoints(tmp_path_factory, tokenizer_dir):
             parameter.add_(0.01 * torch.randn(parameter.shape, generator=generator))
     paths = {"sft": tokenizer_dir, "ppo": str(root / "ppo"), "reward": str(root / "reward_model")}
     ppo.save_pretrained(paths["ppo"])
-    reward.reward_model_to_train(tokenizer_dir, run_infra.load_tokenizer(tokenizer_dir), head_seed=1).save_pretrained(
+    reward.reward_model_to_train(tokenizer_dir, loading.load_tokenizer(tokenizer_dir), head_seed=1).save_pretrained(
         paths["reward"])
     for name in ("ppo", "reward"):
         tokenizer.save_pretrained(paths[name])

@@ -1,0 +1,126 @@
+"""The command line of the stages: nothing here changes a result. `parse_args` is tyro's, with our
+names for flags that TRL, CleanRL or the paper's scripts name differently.
+"""
+
+import dataclasses
+import os
+import sys
+import typing
+from typing import Optional
+
+import tyro
+
+
+TRL, CLEANRL, PAPER = "TRL's", "CleanRL's", "the paper's"
+# Settings that another codebase names differently: foreign flag -> (whose name, [(our flag, what differs)]).
+# The first of our flags that the stage has is suggested; a stage with none of them leaves the flag to tyro.
+# Sources: TRL 1.12 (transformers' TrainingArguments under every config; SFTConfig, DPOConfig, RLOOConfig /
+# GRPOConfig, the experimental PPOConfig; ModelConfig and ScriptArguments of its example scripts), TRL's
+# PPOConfig before 0.12, CleanRL's ppo.py, and the paper's scripts (vwxyzjn/summarize_from_feedback_details).
+# A nested name (`--ppo.num_mini_batches`, `--reward.kl_coef`) is also looked up by its last part, and a flag
+# of ours given at another depth (`--kl_coef` for `--ppo.kl_coef`) is found by its name.
+FOREIGN_FLAGS = {
+    "learning_rate": (TRL + " and " + CLEANRL, [("lr", "")]),
+    "per_device_train_batch_size": (TRL, [("local_micro_batch_size", "")]),
+    "per_device_eval_batch_size": (TRL, [("local_eval_batch_size", "")]),
+    "adam_epsilon": (TRL, [("eps", "")]),
+    "lr_scheduler_type": (TRL, [("scheduler", "")]),
+    "warmup_steps": (TRL, [("warm_up_steps", "")]),
+    "optim": (TRL, [("optimizer", "adamw or adam")]),
+    "report_to": (TRL, [("track", "a switch for wandb; TensorBoard and metrics.jsonl are always written")]),
+    "max_steps": (TRL, [("total_episodes", "in episodes: updates x batch_size")]),
+    "num_train_epochs": (TRL, [("total_episodes", "in episodes: epochs x the queries of the train split")]),
+    "save_steps": (TRL, [("checkpoint_every", "")]),
+    "save_total_limit": (TRL, [("keep_checkpoints", "")]),
+    "resume_from_checkpoint": (TRL, [("resume", "a switch: the newest checkpoint in <output_dir>/checkpoints")]),
+    "do_eval": (TRL, [("run_eval", "")]),
+    "hub_model_id": (TRL, [("hf_entity", "the repo is <hf_entity>/<base_model>__<exp_name>__tldr")]),
+    "model_name_or_path": (TRL, [("sft_model_path", "the model trained from; the tokenizer is --base_model"),
+                                 ("base_model", "")]),
+    "dataset_name": (TRL, [("label_dataset", "the preference pairs"), ("query_dataset", "")]),
+    "completion_only_loss": (TRL, [("response_only_loss", "")]),
+    "assistant_only_loss": (TRL, [("response_only_loss", "")]),
+    "loss_type": (TRL, [("ipo", "a switch for the IPO loss; DPO's sigmoid loss is the default"),
+                        ("grpo_loss", "grpo (DeepSeekMath) or dr_grpo")]),
+    "beta": (TRL + " GRPO/RLOO", [("ppo.kl_coef", ""), ("kl_coef", "")]),
+    "epsilon": (TRL + " GRPO/RLOO", [("ppo.cliprange", ""), ("cliprange", "")]),
+    "num_iterations": (TRL + " GRPO/RLOO", [("ppo.noptepochs", ""), ("noptepochs", "")]),
+    "num_generations": (TRL + " GRPO/RLOO", [("rloo_k", "samples per query")]),
+    "max_completion_length": (TRL, [("response_length", "the tokens generated per query")]),
+    "max_new_tokens": (TRL, [("response_length", "the tokens generated per query")]),
+    "num_mini_batches": (TRL, [("nminibatches", "")]),
+    "num_ppo_epochs": (TRL, [("ppo.noptepochs", ""), ("noptepochs", "")]),
+    "num_total_batches": (TRL, [("total_episodes", "num_updates = total_episodes // batch_size")]),
+    "micro_batch_size": (TRL + " and " + PAPER, [("local_micro_batch_size", "per process, not over all of them")]),
+    "missing_eos_penalty": (TRL, [("penalty_reward_value", "the score a response without EOS gets, not an amount "
+                                                           "taken off")]),
+    "stop_token": (TRL, [("truncate_token", "")]),
+    "stop_token_id": (TRL, [("truncate_token", "the tokenizer's EOS, the only choice")]),
+    "num_sample_generations": (TRL, [("print_sample_output_freq", "every this many updates, not a count")]),
+    "init_kl_coef": (TRL, [("ppo.kl_coef", ""), ("kl_coef", "")]),
+    "adap_kl_ctrl": (TRL, [("ppo.use_adaptive_kl", "")]),
+    "ppo_epochs": (TRL, [("ppo.noptepochs", ""), ("noptepochs", "")]),
+    "forward_batch_size": (TRL, [("local_rollout_forward_batch_size", "")]),
+    "total_timesteps": (CLEANRL, [("total_episodes", "")]),
+    "num_minibatches": (CLEANRL, [("nminibatches", "")]),
+    "update_epochs": (CLEANRL, [("ppo.noptepochs", ""), ("noptepochs", "")]),
+    "clip_coef": (CLEANRL, [("ppo.cliprange", "the value loss clips at --ppo.cliprange_value"), ("cliprange", "")]),
+    "gae_lambda": (CLEANRL, [("ppo.lam", "")]),
+    "ppo.nminibatches": (PAPER, [("nminibatches", "the one the paper's ppo.py read; --ppo.nminibatches did nothing")]),
+    "truncate_token_id": (PAPER, [("truncate_token", "the tokenizer's EOS, the only choice")]),
+    "hf_repo_id": (PAPER, [("hf_entity", "the repo is <hf_entity>/<base_model>__<exp_name>__tldr")]),
+    "hf_repo_revision": (PAPER, [("run_name", "the revision pushed to")]),
+}
+# never suggested for a foreign flag: fields derived at run time (a value given to them is ignored; PPO's
+# batch_size is one of them)
+RUN_TIME_FIELDS = ("world_size", "local_batch_size", "local_mini_batch_size", "mini_batch_size", "batch_size",
+                   "num_updates")
+
+
+def flag_names(args_class, prefix: str = "") -> set:
+    """The flags of a tyro Args dataclass as field paths with underscores (`lr`, `ppo.kl_coef`)."""
+    names = set()
+    hints = typing.get_type_hints(args_class)
+    for f in dataclasses.fields(args_class):
+        if dataclasses.is_dataclass(hints[f.name]):
+            names |= flag_names(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            names.add(prefix + f.name)
+    return names
+
+
+def foreign_flag_hint(flag: str, ours: set, foreign: dict) -> Optional[str]:
+    """Why `flag` (as typed, `--x.y=1` or `--x-y` too) is not a flag of ours, where the stage (`ours`, from
+    flag_names) has the setting under another name; None for our own flags (`--no-<switch>` included) and
+    for flags we know nothing about, which tyro answers."""
+    typed = flag.split("=", 1)[0]
+    name = typed[2:].replace("-", "_")
+    prefix, _, leaf = name.rpartition(".")
+    switch = prefix + "." + leaf[3:] if prefix else leaf[3:]  # (tyro's `--no-<switch>` and `--ppo.no-<switch>`)
+    if name in ours or (leaf.startswith("no_") and switch in ours):
+        return None
+    for key in (name, leaf):
+        source, targets = foreign.get(key, ("", []))
+        for target, note in targets:
+            if target in ours:
+                return f"{typed} is {source} name; here it is --{target}" + (f" ({note})" if note else "")
+    # one of our flags at another depth (`--kl_coef`, `--ppo.lr`, the paper's `--reward.adaptive_kl.target`)
+    same = sorted(n for n in ours if n.rpartition(".")[2] == leaf and leaf not in RUN_TIME_FIELDS)
+    return f"{typed} is --{' or --'.join(same)} here" if same else None
+
+
+def parse_args(args_class, foreign: Optional[dict] = None, args: Optional[list] = None):
+    """`tyro.cli(args_class)`, after a look for flags that TRL, CleanRL or the paper's scripts name differently
+    (FOREIGN_FLAGS, with the stage's own `foreign` entries on top): those stop with our name for them (exit 2,
+    like any usage error), where tyro would only say "unrecognized". Everything else is tyro's, its
+    misspelling suggestions included. `args`: the command line without the program (default sys.argv[1:])."""
+    argv = sys.argv[1:] if args is None else list(args)
+    argv = argv[:argv.index("--")] if "--" in argv else argv  # (after "--" every token is a value)
+    ours, table = flag_names(args_class), {**FOREIGN_FLAGS, **(foreign or {})}
+    hints = [foreign_flag_hint(token, ours, table) for token in argv if token.startswith("--")]
+    hints = [hint for hint in hints if hint]
+    if hints:
+        prog = os.path.basename(sys.argv[0])
+        print("\n".join(f"{prog}: {hint}" for hint in hints + ["see --help for every flag"]), file=sys.stderr)
+        raise SystemExit(2)
+    return tyro.cli(args_class, args=args)

@@ -1,0 +1,323 @@
+"""Loaders of the stages: tokenizers, datasets and models, and how the frozen ones are held. Nothing
+here changes a result that the stage does not name: it loads what the stage asks for, or refuses it.
+
+- `load_tokenizer`, `load_split_dataset`, `load_policy`, `load_reward_model`: local folders or hub
+  names, a clear error for a path that does not exist, fp32 master weights, the `[PAD]` row of the
+  embedding, dropout off (the N+ detail every stage needs);
+- no silent failure: `checked_load` refuses a checkpoint without the head a stage needs,
+  `check_model_path` names a folder that a failed run left without a model, `load_tokenizer` and
+  `check_model_tokenizer` refuse data and models of another tokenizer, `require_splits` a dataset
+  without a split the run will need;
+- frozen DeepSpeed engines (`frozen_dtype`, `prepare_frozen`, `describe_frozen`): reference and
+  reward models as inference engines, ZeRO-3 with CPU offload under `--offload`.
+"""
+
+import json
+import os
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+from datasets import load_dataset, load_from_disk
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+
+def looks_local(path: str) -> bool:
+    return os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1
+
+
+# what a local folder must hold to be loaded as a model, or as a tokenizer
+MODEL_FILES, TOKENIZER_FILES = ("config.json",), ("tokenizer_config.json", "tokenizer.json")
+
+
+def check_model_path(path: str, needs: tuple = MODEL_FILES) -> None:
+    """A local `path` that does not exist, or that holds none of the files `needs` (a stage that
+    failed or was stopped before its final save leaves its output folder with a `.lock` and perhaps
+    checkpoints), is named as such, not as transformers' "Unrecognized model ... model_type"."""
+    if not looks_local(path):
+        return
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in needs):
+        held = sorted(os.listdir(path))
+        listing = ", ".join(held[:8]) + (" ..." if len(held) > 8 else "") if held else "nothing"
+        resume = (" Its checkpoints/ can be finished with the same command and --resume." if "checkpoints" in held
+                  else "")
+        raise FileNotFoundError(f"model path {path} holds no model (no {needs[0]}; it holds {listing}): a failed or "
+                                f"unfinished run?{resume}")
+
+
+# written by tldr_dataset.py into each dataset folder it builds: which tokenizer made its token ids
+TOKENIZER_RECORD = "tokenizer_record.json"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What decides how text becomes ids, hashed: the vocabulary and merges, the added tokens and their
+    ids, the normaliser, pre-tokeniser, post-processor and decoder (not the padding or truncation
+    settings of the moment). Two tokenizers of one size but other vocabularies differ here."""
+    import hashlib
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec = {k: v for k, v in spec.items() if k not in ("padding", "truncation", "added_tokens", "version")}
+    spec["added_tokens"] = sorted((t.content, i) for i, t in tokenizer.added_tokens_decoder.items())
+    spec["special"] = [tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token]
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_dataset_tokenizer(tokenizer, dataset: str) -> None:
+    """Refuses a dataset whose token ids another tokenizer made (its TOKENIZER_RECORD; a dataset
+    without one, such as a hub dataset, is taken as it is)."""
+    path = os.path.join(dataset, TOKENIZER_RECORD)
+    if not (looks_local(dataset) and os.path.isfile(path)):
+        return
+    with open(path) as f:
+        record = json.load(f)
+    if record["fingerprint"] != tokenizer_fingerprint(tokenizer):
+        raise ValueError(f"dataset {dataset} was tokenized with {record['tokenizer']}, whose tokenizer differs from "
+                         f"{tokenizer.name_or_path}'s: its token ids would mean other text to this model. Rebuild it "
+                         f"with tldr_dataset.py --base_model {tokenizer.name_or_path}, or use the models of that "
+                         "tokenizer")
+
+
+def load_tokenizer(name: str, *datasets: str):
+    """`name`'s tokenizer, right-padding, with a dedicated pad token that is never EOS: `[PAD]` is added
+    where there is none (Pythia; id 50277 fits in its 50304-row embedding) or where it is the EOS
+    (Qwen's base models), which padding would otherwise mask out of every loss, so that EOS could never
+    be learned. The EOS text must encode to the EOS id (the datasets append it as text). Encoding may
+    prepend a BOS (Llama 3): queries keep it, responses and the EOS are encoded without it
+    (`add_special_tokens=False`); a tokenizer that adds anything else is refused. Refused too where one
+    of the `datasets` (folders) was tokenized by another tokenizer."""
+    check_model_path(name, TOKENIZER_FILES)
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="right")
+    if tokenizer.eos_token is None:
+        raise ValueError(f"tokenizer {name} has no EOS token")
+    # (the one embedding row a loader may add: fit_embeddings)
+    tokenizer.added_pad = tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id
+    if tokenizer.added_pad:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    if tokenizer.encode(tokenizer.eos_token, add_special_tokens=False) != [tokenizer.eos_token_id]:
+        raise ValueError(f"tokenizer {name}: EOS text {tokenizer.eos_token!r} does not encode to its id")
+    added = special_tokens_added(tokenizer)
+    if added["after"] or added["before"] not in ([], [tokenizer.bos_token_id]):
+        raise ValueError(f"tokenizer {name} adds {tokenizer.convert_ids_to_tokens(added['before'])} before and "
+                         f"{tokenizer.convert_ids_to_tokens(added['after'])} after every text it encodes: only a BOS "
+                         "before it is supported (queries and responses are encoded apart and joined)")
+    for dataset in datasets:
+        check_dataset_tokenizer(tokenizer, dataset)
+    return tokenizer
+
+
+def check_architecture(name: str) -> None:
+    """Refuses, before any training (the data stage calls it), a base model the pipeline cannot take
+    end to end: transformers needs a causal-LM class for it (the policies) and a sequence-classification
+    class (the reward model and the critic). A local folder holding only a tokenizer is not checked."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+    if looks_local(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        return
+    model_type = AutoConfig.from_pretrained(name).model_type
+    missing = [role for role, classes in (("causal-LM class (the policies)", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                                          ("sequence-classification class (the reward model and the critic)",
+                                           MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES))
+               if model_type not in classes]
+    if missing:
+        raise ValueError(f"{name}: transformers has no {' and no '.join(missing)} for its architecture "
+                         f"{model_type!r}, so the pipeline cannot run on it; nothing was trained")
+
+
+def special_tokens_added(tokenizer) -> dict:
+    """{"before": ids, "after": ids}: what `tokenizer.encode` adds around a text's own tokens."""
+    plain = tokenizer.encode("a b", add_special_tokens=False)
+    framed = tokenizer.encode("a b")
+    start = next((i for i in range(len(framed) - len(plain) + 1) if framed[i: i + len(plain)] == plain), None)
+    if start is None:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path}: its special tokens change how a text itself is encoded")
+    return {"before": framed[:start], "after": framed[start + len(plain):]}
+
+
+def load_split_dataset(name: str, columns: tuple, kind: str = "SFT"):
+    if looks_local(name):
+        if not os.path.isdir(name):
+            raise FileNotFoundError(f"dataset {name} does not exist (build it with tldr_dataset.py)")
+        dataset = load_from_disk(name)
+    else:
+        dataset = load_dataset(name)
+    for split, ds in dataset.items():
+        missing = [c for c in columns if c not in ds.column_names]
+        if missing:
+            raise ValueError(f"dataset {name} split {split} lacks columns {missing}; is it the {kind} dataset "
+                             "written by tldr_dataset.py?")
+    return dataset
+
+
+def require_splits(dataset, name: str, splits: tuple, why: str) -> None:
+    """Stops at the start, not after training, where `dataset` lacks a split the run will need."""
+    missing = [s for s in splits if s not in dataset]
+    if missing:
+        raise ValueError(f"{name} has no {' or '.join(repr(s) for s in missing)} split, which {why} needs "
+                         f"(it has {', '.join(repr(s) for s in dataset)})")
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def frozen_dtype(mixed_precision: str) -> torch.dtype:
+    """The dtype of the reference policy and reward model, which never train: the mixed-precision
+    dtype when there is one (DeepSpeed would cast an fp32 copy to it anyway, after the host had held
+    it: 4 bytes per parameter per process instead of 2), else fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+
+
+def checked_load(model_class, path: str, expected: str, new_head: Optional[str] = None, **kwargs):
+    """`model_class.from_pretrained(path, **kwargs)`, refused where the checkpoint is not `expected`
+    ("causal LM" or "reward model"): transformers loads a causal LM as a sequence classifier (and the
+    reverse) with a freshly initialised head and only a load report to say so, and a run would then
+    train against a random reward or sample from a random LM head. `new_head`: the name of the head
+    the caller initialises itself (reward.py's score head over an SFT model), allowed to be missing."""
+    model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    missing = sorted(k for k in info["missing_keys"] if not (new_head and k.split(".")[0] == new_head))
+    architectures = getattr(model.config, "architectures", None) or []
+    suffix = {"causal LM": "ForCausalLM", "reward model": "ForSequenceClassification"}[expected]
+    wrong_kind = new_head is None and architectures and not any(a.endswith(suffix) for a in architectures)
+    if missing or wrong_kind:
+        found = f"a {', '.join(architectures)} checkpoint" if architectures else "a checkpoint of unnamed architecture"
+        lacks = f", without {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else ""
+        hint = (" (a reward model from reward.py)" if expected == "reward model"
+                else " (a base model or a policy from sft.py, ppo or dpo)")
+        raise ValueError(f"{path}: expected a {expected}{hint}, found {found}{lacks}: loading it would start "
+                         "those weights from random values")
+    return model
+
+
+def check_model_tokenizer(path: str, tokenizer) -> None:
+    """Refuses a model folder saved with another tokenizer than `tokenizer` (every stage saves its
+    model's tokenizer beside it; a folder without one, or a hub name, is taken as it is)."""
+    if not looks_local(path) or not any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
+        return
+    if os.path.abspath(path) == os.path.abspath(tokenizer.name_or_path):
+        return
+    if tokenizer_fingerprint(load_tokenizer(path)) != tokenizer_fingerprint(tokenizer):
+        raise ValueError(f"{path} was saved with another tokenizer than {tokenizer.name_or_path}'s: it reads token "
+                         "ids as other text. Use models and datasets built on one tokenizer")
+
+
+def fit_embeddings(model, path: str, tokenizer) -> None:
+    """Grows the embedding by the `[PAD]` row load_tokenizer added, and by nothing else: a model with
+    fewer rows than the tokenizer has tokens was built on another tokenizer, and a grown row reads one
+    mean embedding for every id it never saw."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) <= rows:
+        return
+    if not (getattr(tokenizer, "added_pad", False) and len(tokenizer) == rows + 1):
+        raise ValueError(f"{path} has {rows} embedding rows, fewer than the {len(tokenizer)} tokens of "
+                         f"{tokenizer.name_or_path}'s tokenizer: it was built on another tokenizer (only the [PAD] "
+                         "row this project adds is ever added to an embedding)")
+    model.resize_token_embeddings(len(tokenizer))
+
+
+def load_policy(path: str, tokenizer, dtype: torch.dtype = torch.float32, **quantized):
+    """A causal LM in `dtype` whatever the checkpoint's (fp32 master weights for the trained policy;
+    mixed precision is accelerate's job); `quantized`: from `quantization`. Refused where it was saved
+    with another tokenizer than `tokenizer`."""
+    check_model_path(path)
+    check_model_tokenizer(path, tokenizer)
+    model = checked_load(AutoModelForCausalLM, path, "causal LM", dtype=dtype, **quantized)
+    fit_embeddings(model, path, tokenizer)
+    disable_dropout(model)
+    return model
+
+
+def load_reward_model(path: str, tokenizer, dtype: torch.dtype = torch.float32, new_head: bool = False,
+                      **quantized):
+    """A saved reward model (reward.py), head and normalisation included, in `dtype`; with `new_head`,
+    any backbone (an SFT model) under a score head that the caller initialises."""
+    check_model_path(path)
+    check_model_tokenizer(path, tokenizer)
+    model = checked_load(AutoModelForSequenceClassification, path, "reward model", "score" if new_head else None,
+                         num_labels=1, dtype=dtype, **quantized)
+    fit_embeddings(model, path, tokenizer)
+    # HF's pooling reads the rightmost token that is not config.pad_token_id: the EOS
+    model.config.pad_token_id = tokenizer.pad_token_id
+    disable_dropout(model)
+    add_reward_offset(model)
+    return model
+
+
+def add_reward_offset(model) -> None:
+    """Adds `config.reward_offset` (where reward.py stores the reward normalisation of an architecture
+    whose final norm has no bias to fold it into: RMSNorm in Llama, Qwen, Gemma, OLMo-2, SmolLM) to
+    the `score` head's output at every position, by a forward hook on the head: padded, packed and
+    per-position (critic) reads all get it, and the saved weights stay a plain transformers model.
+    The hook reads the config at every call (reward.py sets the offset after training); added once."""
+    if getattr(model, "reward_offset_hook", None) is None:
+        config = model.config
+
+        def shifted(module, args, output):
+            offset = getattr(config, "reward_offset", 0.0)
+            return output + offset if offset else None
+
+        model.reward_offset_hook = model.score.register_forward_hook(shifted)
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Activation checkpointing of every layer, non-reentrant: the backward recomputes exactly the
+    forward it replaces (dropout is off), and no input needs requires_grad. transformers 5.23 renamed
+    the method; older 5.x only has the first name."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# frozen models under DeepSpeed
+# ---------------------------------------------------------------------------------------------
+
+
+def prepare_frozen(model, args, accelerator: Accelerator):
+    """Reference policy and reward model: no gradients, eval mode. Under DeepSpeed they become
+    inference engines in the trainable model's precision (as the paper); with --offload, ZeRO-3
+    engines whose parameters live on the CPU and are gathered layer by layer for each forward.
+    None (a LoRA run's reference, the policy itself) stays None."""
+    if model is None:
+        return None
+    model.requires_grad_(False)
+    if accelerator.state.deepspeed_plugin is None:
+        return model.to(accelerator.device).eval()
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": args.local_micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
+        "fp16": {"enabled": accelerator.mixed_precision == "fp16"},
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+    }
+    if args.offload:
+        config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 1e4,
+                                       "offload_param": {"device": "cpu"}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
+
+def describe_frozen(model) -> str:
+    """How a frozen model is held (printed at startup, so a run shows its dtype and where --offload
+    put it); None is a LoRA run's reference."""
+    if model is None:
+        return "the policy, its LoRA adapter disabled"
+    dtype = next(model.parameters()).dtype
+    if not hasattr(model, "zero_optimization_stage"):
+        return f"plain module on {next(model.parameters()).device}, {dtype}"
+    offload = model.zero_offload_param()
+    device = getattr(offload.device, "value", offload.device) if offload is not None else "none"
+    local = sum(p.numel() for p in model.module.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.module.parameters())
+    return (f"DeepSpeed ZeRO-{model.zero_optimization_stage()} engine, {dtype}, parameter offload {device}, "
+            f"{local} of {total} parameters resident on this rank")
