@@ -25,6 +25,8 @@ STAGES = ("sft", "reward", "dpo", "ppo_left_padding", "rloo", "online_dpo")
 INFRA = tuple(f"infra/{name}" for name in ("checkpoints", "flags", "launch", "loading", "lora", "preflight", "saving",
                                            "tracking"))
 SHARED = INFRA + ("rollout",)
+# lines of a shared module (DESIGN.md section 1): evaluation.py and packing.py are shared too
+SHARED_MODULE_BUDGET = 500
 # lines of the file / of main() (DESIGN.md section 1); PPO's update loop stays in main(), <= 160 lines
 BUDGETS = {"sft": (500, 150), "reward": (600, 150), "dpo": (600, 150), "ppo_left_padding": (850, 220),
            "rloo": (800, 200), "online_dpo": (650, 180)}
@@ -311,6 +313,64 @@ def test_the_shared_modules_are_these():
     """Every module of the infra package is in INFRA, so every check above covers it."""
     assert sorted(f"infra/{p.stem}" for p in (PACKAGE / "infra").glob("*.py") if p.stem != "__init__") == sorted(INFRA)
 
+
+@pytest.mark.parametrize("module", SHARED + ("evaluation", "packing"))
+def test_no_shared_module_is_over_its_budget(module):
+    """No module of the shared infrastructure is over 500 lines (DESIGN.md section 1): one concern a
+    module, read in one sitting."""
+    lines = len(source(module).splitlines())
+    assert lines <= SHARED_MODULE_BUDGET, f"{module}.py: {lines} lines > {SHARED_MODULE_BUDGET}"
+
+
+# prints what the libraries' noise settings are: after the imports, after a stage's run start, and after a
+# stage that imports transformers' optimization module (and with it peft and bitsandbytes) is imported
+QUIET_SCRIPT = """
+import importlib, json, logging, os, sys
+from transformers.utils import logging as transformers_logging
+
+def state():
+    return [transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled(),
+            logging.getLogger("bitsandbytes").level, os.environ.get("DS_ACCELERATOR")]
+
+states = {"before": state()}
+for module in sys.argv[2:]:
+    importlib.import_module("summarize_from_feedback_details." + module.replace("/", "."))
+from summarize_from_feedback_details import ppo_left_padding
+from summarize_from_feedback_details.infra.launch import start_run
+states["imported"] = state()
+args = ppo_left_padding.Args(output_dir=os.path.join(sys.argv[1], "out"))
+ppo_left_padding.derive_batch_sizes(args, 1)
+start_run(args, {"stage": "ppo_left_padding"})
+states["run started"] = state()
+transformers_logging.set_verbosity(states["before"][0])
+transformers_logging.enable_progress_bar()
+logging.getLogger("bitsandbytes").setLevel(states["before"][2])
+os.environ.pop("DS_ACCELERATOR", None)
+from summarize_from_feedback_details import sft
+states["sft imported"] = state()
+print(json.dumps(states))
+"""
+
+
+def test_importing_infra_quiets_nothing_and_a_run_start_quiets_the_libraries(tmp_path):
+    """No import-time side effects: importing every infra module (and PPO, which imports no noisy
+    library) leaves transformers' verbosity and progress bars, the bitsandbytes logger and DeepSpeed's
+    accelerator as they were. A stage's run start (start_run) quiets them; sft, whose import of
+    transformers' optimization module imports bitsandbytes, quiets them before that import."""
+    import logging
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "TRANSFORMERS_VERBOSITY",
+                                                                "HF_HUB_DISABLE_PROGRESS_BARS")}
+    done = subprocess.run([sys.executable, "-c", QUIET_SCRIPT, str(tmp_path), *INFRA], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    states = json.loads(done.stdout.splitlines()[-1])
+    assert states["before"] == [logging.WARNING, True, logging.NOTSET, None]
+    assert states["imported"] == states["before"]
+    quiet = [logging.ERROR, False, logging.ERROR, None if torch.cuda.is_available() else "cpu"]
+    assert states["run started"] == quiet and states["sft imported"] == quiet
 
 
 def fake_nvidia_smi(tmp_path, monkeypatch, lines: str) -> None:
