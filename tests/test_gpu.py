@@ -22,7 +22,7 @@ from transformers import GPTNeoXForCausalLM
 
 from conftest import accelerate_launcher, run_script, side_by_side
 from summarize_from_feedback_details import ppo_left_padding, reward, rollout, tldr_dataset
-from summarize_from_feedback_details.infra import loading, preflight
+from summarize_from_feedback_details.infra import loading
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "tests", "accelerate_configs")
