@@ -27,9 +27,10 @@ from summarize_from_feedback_details import reward, sft, synthetic_tldr, tiny_mo
 from summarize_from_feedback_details.infra.loading import TOKENIZER_RECORD
 
 SIZE = "m"
-# 8 updates rather than 10 to fit the suite (about 20% less PPO time per run); measured at seed 1 on a
+# 8 updates rather than 10 to fit the suite (two PPO runs of 8 updates instead of 10); measured at seed 1 on a
 # 2-core AMD EPYC, PPO minus SFT: 10 updates +0.462 [0.403, 0.520], 8 updates +0.262 [0.212, 0.312],
-# 6 updates +0.087 [0.057, 0.120] (too near 0 for another CPU's float noise); the control +0.003 at 6 and 8
+# 6 updates +0.087 [0.057, 0.120] (too near 0 for another CPU's float noise); the control +0.003 at 6 and 8,
+# the sign-flipped PPO (SIGN_FLIP_CHECK=1) +0.000 [0.0, 0.0] at 8: it fails the check, as it must
 PPO_UPDATES = 8
 
 
