@@ -24,6 +24,7 @@ half everywhere), 0 a loss; unparsed verdicts are left out before they get here.
   of lists), so nothing here depends on the project's judge or on pandas.
 """
 
+import functools
 import math
 import statistics
 from typing import Callable, Mapping, Optional, Sequence
@@ -51,18 +52,23 @@ def wilson_interval(p: float, n: int, level: float = LEVEL) -> tuple:
 
 
 def bootstrap_interval(outcomes: Sequence, statistic: Callable = np.mean, resamples: int = 2000, seed: int = 0,
-                       level: float = LEVEL) -> tuple:
+                       level: float = LEVEL, batched: bool = False) -> tuple:
     """Percentile bootstrap interval of `statistic` over prompts: `resamples` resamples of the rows
     (with replacement, seeded, so a rerun prints the same interval); `outcomes` is an array whose first
-    axis is the prompt (a tuple of arrays is resampled row for row together)."""
+    axis is the prompt (a tuple of arrays is resampled row for row together). `batched`: `statistic`
+    takes every resample at once (a leading resample axis) and returns one value per resample."""
     arrays = outcomes if isinstance(outcomes, tuple) else (outcomes,)
     arrays = tuple(np.asarray(a, dtype=float) for a in arrays)
     n = len(arrays[0])
     if n == 0:
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
-    values = np.array([statistic(*(a[rows] for a in arrays))
-                       for rows in (rng.integers(0, n, n) for _ in range(resamples))])
+    resampled_rows = (rng.integers(0, n, n) for _ in range(resamples))
+    if batched:
+        rows = np.stack(list(resampled_rows))
+        values = np.asarray(statistic(*(a[rows] for a in arrays)), dtype=float)
+    else:
+        values = np.array([statistic(*(a[rows] for a in arrays)) for rows in resampled_rows])
     values = values[np.isfinite(values)]
     if len(values) == 0:
         return float("nan"), float("nan")
@@ -70,6 +76,7 @@ def bootstrap_interval(outcomes: Sequence, statistic: Callable = np.mean, resamp
     return float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))
 
 
+@functools.cache  # about 0.4 s per call, and every table of seeds asks for the same few
 def t_quantile(df: int, p: float = 0.975) -> float:
     """The p quantile of Student's t with `df` degrees of freedom (scipy is not a dependency):
     bisection on its CDF, the density integrated by Simpson's rule; within 1e-5 of the tables."""
@@ -99,42 +106,63 @@ def t_interval(values: Sequence) -> tuple:
     return float(values.mean() - half), float(values.mean() + half)
 
 
-def logistic_fit(outcomes: Sequence, covariate: Sequence, ridge: float = 1e-3, steps: int = 50) -> tuple:
-    """(intercept, slope) of P(win) = sigmoid(intercept + slope x covariate), fitted by Newton's method
-    to fractional outcomes (a tie is half a win, as a weight). The slope carries a small L2 penalty
-    (`ridge`, on the covariate scaled to unit std) so that data the covariate separates perfectly
-    still gives a finite fit; the intercept is not penalised, but the linear predictor stays within
-    +-30 (all wins read as 1 - 1e-13, not as a diverging fit)."""
-    y = np.asarray(outcomes, dtype=float)
-    x = np.asarray(covariate, dtype=float)
-    scale = x.std() or 1.0
-    design = np.stack([np.ones_like(x), x / scale], axis=1)
-    penalty = np.diag([0.0, ridge * len(y)])
-    beta = np.zeros(2)
+def logistic_fits(outcomes: Sequence, covariate: Sequence, ridge: float = 1e-3, steps: int = 50) -> np.ndarray:
+    """(intercept, slope) of P(win) = sigmoid(intercept + slope x covariate) for each row of two
+    (rows, prompts) arrays, fitted by Newton's method to fractional outcomes (a tie is half a win, as a
+    weight); every row at once, each taking steps until its own step is below 1e-10 (a bootstrap's 500
+    fits one by one took seconds). The slope carries a small L2 penalty (`ridge`, on the covariate
+    scaled to unit std) so that data the covariate separates perfectly still gives a finite fit; the
+    intercept is not penalised, but the linear predictor stays within +-30 (all wins read as
+    1 - 1e-13, not as a diverging fit)."""
+    y = np.atleast_2d(np.asarray(outcomes, dtype=float))
+    x = np.atleast_2d(np.asarray(covariate, dtype=float))
+    scale = x.std(axis=1)
+    scale[scale == 0] = 1.0
+    design = np.stack([np.ones_like(x), x / scale[:, None]], axis=2)  # (rows, prompts, 2)
+    penalty = np.diag([0.0, ridge * y.shape[1]])
+    beta = np.zeros((len(y), 2))
+    fitting = np.arange(len(y))
     for _ in range(steps):
-        mu = 1 / (1 + np.exp(-np.clip(design @ beta, -30, 30)))
-        gradient = design.T @ (y - mu) - penalty @ beta
-        hessian = design.T @ (design * (mu * (1 - mu))[:, None]) + penalty + 1e-12 * np.eye(2)
-        step = np.linalg.solve(hessian, gradient)
-        beta += step
-        if np.abs(step).max() < 1e-10:
+        d, b = design[fitting], beta[fitting]
+        d_t = d.transpose(0, 2, 1)
+        mu = 1 / (1 + np.exp(-np.clip((d @ b[..., None])[..., 0], -30, 30)))
+        gradient = (d_t @ (y[fitting] - mu)[..., None])[..., 0] - b @ penalty
+        hessian = d_t @ (d * (mu * (1 - mu))[..., None]) + penalty + 1e-12 * np.eye(2)
+        step = np.linalg.solve(hessian, gradient[..., None])[..., 0]
+        beta[fitting] = b + step
+        fitting = fitting[np.abs(step).max(axis=1) >= 1e-10]
+        if len(fitting) == 0:
             break
-    return float(beta[0]), float(beta[1] / scale)
+    return np.stack([beta[:, 0], beta[:, 1] / scale], axis=1)
+
+
+def logistic_fit(outcomes: Sequence, covariate: Sequence, ridge: float = 1e-3, steps: int = 50) -> tuple:
+    """(intercept, slope) of one logistic_fits row."""
+    intercept, slope = logistic_fits([outcomes], [covariate], ridge, steps)[0]
+    return float(intercept), float(slope)
+
+
+def length_controlled_win_rates(outcomes: Sequence, length_difference: Sequence) -> np.ndarray:
+    """The win rate at zero length difference of each row of two (rows, prompts) arrays: sigmoid of
+    the fitted intercept (see logistic_fits). Where only length decides, about 0.5 whatever the raw
+    rate; nan for fewer than 2 prompts."""
+    outcomes = np.atleast_2d(np.asarray(outcomes, dtype=float))
+    if outcomes.shape[1] < 2:
+        return np.full(len(outcomes), float("nan"))
+    intercept = logistic_fits(outcomes, length_difference)[:, 0]
+    return 1 / (1 + np.exp(-np.clip(intercept, -30.0, 30.0)))
 
 
 def length_controlled_win_rate(outcomes: Sequence, length_difference: Sequence) -> float:
-    """The win rate at zero length difference: sigmoid of the fitted intercept (see logistic_fit).
-    Where only length decides, about 0.5 whatever the raw rate; nan for fewer than 2 prompts."""
-    if len(outcomes) < 2:
-        return float("nan")
-    intercept, _ = logistic_fit(outcomes, length_difference)
-    return float(1 / (1 + math.exp(-min(max(intercept, -30.0), 30.0))))
+    """length_controlled_win_rates of one set of prompts."""
+    return float(length_controlled_win_rates([outcomes], [length_difference])[0])
 
 
 def length_controlled_interval(outcomes: Sequence, length_difference: Sequence, resamples: int = 500,
                                seed: int = 0) -> tuple:
     """Percentile bootstrap interval of the length-controlled win rate over prompts."""
-    return bootstrap_interval((outcomes, length_difference), length_controlled_win_rate, resamples, seed)
+    return bootstrap_interval((outcomes, length_difference), length_controlled_win_rates, resamples, seed,
+                              batched=True)
 
 
 def outcome_of(verdict: str) -> Optional[float]:

@@ -91,6 +91,47 @@ def test_length_controlled_rate_keeps_a_real_advantage_and_survives_separation()
     assert win_rates.length_controlled_win_rate((difference > 0).astype(float), difference) == pytest.approx(0.5, abs=1e-3)
 
 
+def newton_fit_one_row(y, x, ridge=1e-3, steps=50):
+    """The logistic fit written out for one row (the loop logistic_fits runs for every row at once)."""
+    y, x = np.asarray(y, dtype=float), np.asarray(x, dtype=float)
+    scale = x.std() or 1.0
+    design = np.stack([np.ones_like(x), x / scale], axis=1)
+    penalty = np.diag([0.0, ridge * len(y)])
+    beta = np.zeros(2)
+    for _ in range(steps):
+        mu = 1 / (1 + np.exp(-np.clip(design @ beta, -30, 30)))
+        step = np.linalg.solve(design.T @ (design * (mu * (1 - mu))[:, None]) + penalty + 1e-12 * np.eye(2),
+                               design.T @ (y - mu) - penalty @ beta)
+        beta += step
+        if np.abs(step).max() < 1e-10:
+            break
+    return beta[0], beta[1] / scale
+
+
+def test_the_batched_fit_and_bootstrap_equal_one_row_at_a_time():
+    """Rows that converge after different numbers of steps (a separable one, all ties, a constant
+    covariate) fitted together give each row's own fit; the bootstrap of the length-controlled rate
+    equals the one that fits its resamples one by one (the same resamples, to float noise)."""
+    rng = np.random.default_rng(3)
+    rows = [length_decides(shift, n=60, seed=seed) for seed, shift in enumerate((0, 3, -5))]
+    separable = np.array([-3.0, -2, -1, 1, 2, 3] * 10)
+    rows += [((separable > 0).astype(float), separable), (np.full(60, 0.5), separable),
+             (rng.choice([0.0, 0.5, 1.0], 60), np.zeros(60))]
+    fits = win_rates.logistic_fits([y for y, _ in rows], [x for _, x in rows])
+    for (y, x), fit in zip(rows, fits):
+        assert fit == pytest.approx(newton_fit_one_row(y, x), rel=1e-9, abs=1e-12)
+    outcomes, difference = length_decides(2, n=300)
+
+    def one_at_a_time(y, x):
+        intercept, _ = newton_fit_one_row(y, x)
+        return 1 / (1 + np.exp(-np.clip(intercept, -30, 30)))
+
+    expected = win_rates.bootstrap_interval((outcomes, difference), one_at_a_time, resamples=200, seed=4)
+    assert win_rates.length_controlled_interval(outcomes, difference, resamples=200, seed=4) == pytest.approx(
+        expected, abs=1e-12)
+    assert np.isnan(win_rates.length_controlled_win_rate([1.0], [2.0]))
+
+
 # ---------------------------------------------------------------- paired against a baseline
 
 def by_length(query, response):
