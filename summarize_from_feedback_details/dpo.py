@@ -26,6 +26,9 @@ at micro-batch 1), one global data order (the paper shuffled per rank; `--rank_d
 brings that back), the reference in eval mode and in the training precision (the paper left it in
 train mode, in fp32), eval generation of `response_length` tokens (the paper: 128), and the
 response-label mask of tldr_dataset.py (no CNN/DM off-by-one).
+
+Carried out by the shared loaders (`infra/`), as in the paper's code: a dedicated `[PAD]` token (never
+EOS), dropout off in the policy and the reference, and each process seeded with seed + rank x 100003.
 """
 
 import contextlib

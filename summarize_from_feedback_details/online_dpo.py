@@ -51,6 +51,10 @@ update), `online_dpo/loss`, `online_dpo/accuracy` (the implicit reward beta (log
 chosen above the rejected's, before the step), `online_dpo/{chosen,rejected}_rewards` and
 `online_dpo/score_margin` (the reward model's chosen minus rejected). `--run_eval` writes PPO's tables.
 Only the policy is saved: a plain causal LM plus tokenizer (LoRA: merged, the adapter in `adapter/`).
+
+Carried out by the shared loaders (`infra/`), as in the paper's code: a dedicated `[PAD]` token (never EOS),
+dropout off in every model, the reward read at the response's EOS (the reward model's `config.pad_token_id`
+is `[PAD]`), and each process seeded with seed + rank x 100003.
 """
 
 import functools

@@ -38,6 +38,10 @@ behaviour stays reachable where it changes results):
 Only the policy is saved (`--output_dir`): a plain causal LM plus tokenizer. With DeepSpeed, policy
 + critic train under the accelerate config (ZeRO-2); the frozen reference and reward model become
 DeepSpeed inference engines, ZeRO-3 with parameters offloaded to CPU under `--offload` (also on CPU).
+
+Carried out by the shared loaders (`infra/`), as in the paper's code: a dedicated `[PAD]` token (never EOS),
+dropout off in all four models, the reward read at the response's EOS (the reward model's `config.pad_token_id`
+is `[PAD]`), and each process seeded with seed + rank x 100003.
 """
 
 import functools

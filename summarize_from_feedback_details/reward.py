@@ -6,11 +6,10 @@
         --sft_model_path models/tiny/pythia-tiny-s --label_dataset data/tldr/preference \\
         --query_dataset data/tldr/sft --run_eval                          # one process, CPU is fine
 
-The reward model is the SFT backbone plus a scalar head, read at the last non-pad token of a
-right-padded query+response row, which is the response's EOS. Loss `-logsigmoid(r_chosen -
-r_rejected)`, averaged over the global batch of pairs, so micro-batch size, gradient accumulation
-and process count never change the update. After training the rewards of the SFT train
-references are shifted to mean 0.
+The reward model is the SFT backbone plus a scalar head, read at the last non-pad token of a right-padded
+query+response row, which is the response's EOS. Loss `-logsigmoid(r_chosen - r_rejected)`, averaged over the
+global batch of pairs, so micro-batch size, gradient accumulation and process count never change the update.
+After training the rewards of the SFT train references are shifted to mean 0.
 
 The saved model is a plain `AutoModelForSequenceClassification` (num_labels=1, `config.pad_token_id`
 = [PAD]), loadable offline without trust_remote_code:
@@ -32,6 +31,9 @@ this model inherits the shift at every token, like the original's `config.bias`.
 (RMSNorm: Llama, Qwen, Gemma, OLMo-2, SmolLM), the shift is saved as `config.reward_offset`, which
 every stage adds to the head's output at every position when it loads the model
 (`infra.loading.add_reward_offset`); plain transformers gives the raw score, to which a user adds it.
+
+Carried out by the shared loaders (`infra/`), as in the paper's code: the `[PAD]` token and the reward read at
+the EOS above, dropout off, and each process seeded with seed + rank x 100003.
 """
 
 import contextlib

@@ -9,53 +9,53 @@
         --local_rollout_forward_batch_size 32 --local_eval_batch_size 16 --lr 1e-4    # tiny default, CPU
     ... rloo.py --algorithm grpo --rloo_k 4 [--grpo_loss dr_grpo]                  # GRPO, Dr. GRPO
 
-The harness is PPO's (ppo_left_padding.py, DESIGN section 19): policy and reference from the SFT checkpoint,
-the reward model with the EOS trick, rollouts at T=0.7 whose logprobs come from the generation logits, the
-reference's logprobs under the same temperature, the global query order, lr 3e-6 annealed linearly, 53 tokens,
-512 episodes per update, minibatches drawn from the global batch. There is no critic. Each update samples
-every query `--rloo_k` times (each sample from its own seeded generator) and scores each response once.
+The harness is PPO's (ppo_left_padding.py, DESIGN section 19): policy and reference from the SFT checkpoint, the reward
+model with the EOS trick, rollouts at T=0.7 whose logprobs come from the generation logits, the reference's logprobs
+under the same temperature, the global query order, lr 3e-6 annealed linearly, 53 tokens, 512 episodes per update,
+minibatches drawn from the global batch. There is no critic. Each update samples every query `--rloo_k` times (each
+sample from its own seeded generator) and scores each response once.
 
 `--algorithm rloo` (the default), after Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
 Optimization for Learning from Human Feedback in LLMs" (the leave-one-out baseline is Kool et al. 2019, "Buy 4
 REINFORCE samples, get a baseline for free!"), as TRL's RLOOTrainer ran it on TL;DR:
-- the whole response is one action: reward = score - kl_coef * (sum over response tokens of logprob -
-  ref_logprob), the sequence-level k1 KL in the reward (TRL RLOOConfig kl_coef 0.05; its TL;DR recipe 0.03);
-- advantage = reward - mean reward of the query's other k-1 samples (k >= 2); rloo_k 2 (TRL's
-  default and TL;DR recipe; the paper's best TL;DR result used k=4); whitening over the global batch behind
-  `--normalize_advantage` (off, as TRL);
+- the whole response is one action: reward = score - kl_coef * (sum over response tokens of logprob - ref_logprob), the
+  sequence-level k1 KL in the reward (TRL RLOOConfig kl_coef 0.05; its TL;DR recipe 0.03);
+- advantage = reward - mean reward of the query's other k-1 samples (k >= 2); rloo_k 2 (TRL's default and TL;DR recipe;
+  the paper's best TL;DR result used k=4); whitening over the global batch behind `--normalize_advantage` (off, as
+  TRL);
 - loss: TRL's PPO-clipped surrogate on the SEQUENCE log-ratio (the sum of the token log-ratios), cliprange 0.2;
-  `--token_level_ratio` clips per token (the sequence advantage on every token, token losses summed per
-  response, so at ratio 1 the gradient is the same); `--no_clip` is the paper's plain REINFORCE,
-  loss = -advantage * log pi(response);
-- 1 epoch, 1 minibatch per batch: the paper's one on-policy REINFORCE step, TRL 1.x's num_iterations=1
-  (TRL 0.x's RLOOConfig defaulted to num_ppo_epochs 4; its TL;DR recipe ran --num_ppo_epochs 2
-  --num_mini_batches 2 --kl_coef 0.03: `--noptepochs 2 --nminibatches 2 --kl_coef 0.03` here).
+  `--token_level_ratio` clips per token (the sequence advantage on every token, token losses summed per response, so at
+  ratio 1 the gradient is the same); `--no_clip` is the paper's plain REINFORCE, loss = -advantage * log pi(response);
+- 1 epoch, 1 minibatch per batch: the paper's one on-policy REINFORCE step, TRL 1.x's num_iterations=1 (TRL 0.x's
+  RLOOConfig defaulted to num_ppo_epochs 4; its TL;DR recipe ran --num_ppo_epochs 2 --num_mini_batches 2 --kl_coef
+  0.03: `--noptepochs 2 --nminibatches 2 --kl_coef 0.03` here).
 
-`--algorithm grpo`, after Shao et al. 2024 (DeepSeekMath, "GRPO"): advantage = (r - group mean) / (group std +
-1e-4) with r the raw score (no KL in the reward); the std is the sample std by default (`--grpo_std`: TRL's
-GRPOTrainer takes torch's, Bessel-corrected); k >= 2. The ratio is clipped per token; the KL is a
-loss term, kl_coef x the k3 estimator exp(ref - logp) - (ref - logp) - 1 per token (Schulman 2020, as
-DeepSeekMath; its beta was 0.04, here --kl_coef's 0.05 unless given); the loss is averaged over each response's
-tokens, then over responses (DeepSeekMath's 1/G sum_i 1/|o_i| sum_t). `--grpo_loss dr_grpo` (Liu et al. 2025,
-"Understanding R1-Zero-Like Training: A Critical Perspective") drops both length and std normalisation: token
-losses summed and divided by the constant minibatch size x response_length, advantage = r - group mean.
+`--algorithm grpo`, after Shao et al. 2024 (DeepSeekMath, "GRPO"): advantage = (r - group mean) / (group std + 1e-4)
+with r the raw score (no KL in the reward); the std is the sample std by default (`--grpo_std`: TRL's GRPOTrainer takes
+torch's, Bessel-corrected); k >= 2. The ratio is clipped per token; the KL is a loss term, kl_coef x the k3 estimator
+exp(ref - logp) - (ref - logp) - 1 per token (Schulman 2020, as DeepSeekMath; its beta was 0.04, here --kl_coef's 0.05
+unless given); the loss is averaged over each response's tokens, then over responses (DeepSeekMath's 1/G sum_i 1/|o_i|
+sum_t). `--grpo_loss dr_grpo` (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective") drops
+both length and std normalisation: token losses summed and divided by the constant minibatch size x response_length,
+advantage = r - group mean.
 
 Where this file deliberately differs (PPO's deviations from the paper's code hold here too: global
 minibatches, statistics over real tokens only, `[PAD]` never sampled, a validation score on new queries every
 update; see ppo_left_padding.py):
-- TRL laid a process's episodes out sample-major (its queries repeated k times) and permuted them per process;
-  here episode row q * k + j of the global batch is sample j of global query q on any process count, a query's
-  k samples are drawn on one process from seeds fixed by (seed, update, place of its chunk in the global batch,
-  j), and advantages are computed over the gathered global batch: 1 and N processes give the same update;
+- TRL laid a process's episodes out sample-major (its queries repeated k times) and permuted them per process; here
+  episode row q * k + j of the global batch is sample j of global query q on any process count, a query's k samples are
+  drawn on one process from seeds fixed by (seed, update, place of its chunk in the global batch, j), and advantages
+  are computed over the gathered global batch: 1 and N processes give the same update;
 - the loss is a mean over the responses of the whole minibatch of all processes, whatever the micro-batch size,
   accumulation and process count;
-- ratio statistics (ppo/val/ratio, ppo/policy/approxkl_avg, ppo/policy/clipfrac_avg) are means over the unit the
-  ratio is taken on: responses with the sequence ratio, real tokens with a per-token one;
-- a response without EOS gets the score -1 (the paper's EOS trick, TRL's old --non_eos_penalty), not TRL 1.x's
-  score minus a penalty.
+- ratio statistics (ppo/val/ratio, ppo/policy/approxkl_avg, ppo/policy/clipfrac_avg) are means over the unit the ratio
+  is taken on: responses with the sequence ratio, real tokens with a per-token one;
+- a response without EOS scores -1 (the paper's EOS trick, TRL's old --non_eos_penalty), not TRL 1.x's score - penalty.
 
-Only the policy is saved (`--output_dir`: a plain causal LM and its tokenizer). Under DeepSpeed it trains with
-ZeRO-2; the frozen reference and reward model are inference engines (ZeRO-3, on CPU under `--offload`).
+Only the policy is saved (`--output_dir`: a plain causal LM and its tokenizer). Under DeepSpeed it trains with ZeRO-2;
+the frozen reference and reward model are inference engines (ZeRO-3, on CPU under `--offload`). Carried out by the
+shared loaders (`infra/`), as in the paper's code: a dedicated `[PAD]` token (never EOS), dropout off, the reward read
+at the response's EOS (`config.pad_token_id` is `[PAD]`), each process seeded with seed + rank x 100003.
 """
 
 import functools

@@ -10,6 +10,9 @@ what the paper's released checkpoints were trained with (`--response_only_loss` 
 response). EOS is a real target. One update sees `batch_size` sequences; its loss is normalised
 over the whole global batch, so micro-batch size, gradient accumulation and process count never
 change the update.
+
+Carried out by the shared loaders (`infra/`), as in the paper's code: a dedicated `[PAD]` token (never EOS, so EOS
+stays a learnable target), dropout off, and each process seeded with seed + rank x 100003.
 """
 
 import contextlib

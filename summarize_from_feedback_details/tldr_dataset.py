@@ -621,7 +621,8 @@ def data_issues(sft: DatasetDict, pref: DatasetDict) -> dict:
         issues[f"sft ids repeated within {split}"] = len(split_ids) - len(set(split_ids))
 
     def comparisons(ds) -> set:
-        return {(q, frozenset((c, r))) for q, c, r in zip(column(ds, "query"), column(ds, "chosen"), column(ds, "rejected"))}
+        rows = zip(column(ds, "query"), column(ds, "chosen"), column(ds, "rejected"))
+        return {(q, frozenset((c, r))) for q, c, r in rows}
 
     for split, ds in pref.items():
         issues[f"preference {split} pairs with identical chosen and rejected"] = sum(
