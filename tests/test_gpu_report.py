@@ -79,11 +79,16 @@ def test_a_step_past_its_timeout_is_stopped_with_the_processes_it_launched(tmp_p
     assert gpu_report.run_step(gpu_report.Step("bad", ["false"], ""), str(tmp_path), 0)["status"] == "FAILED (exit 1)"
 
 
-def test_steps_chooses_a_subset_and_refuses_a_name_it_does_not_know(tmp_path, capsys):
+def test_steps_chooses_a_subset_and_refuses_a_name_it_does_not_know(tmp_path, capsys, monkeypatch):
+    """Which steps run (a stand-in for run_step records them: the smoke test above runs them for real)."""
+    ran = []
+    monkeypatch.setattr(gpu_report, "run_step", lambda step, out, timeout_s: ran.append(step.name) or
+                        {"status": "ok", "seconds": 0.0})
     out = str(tmp_path / "report")
     assert gpu_report.main(gpu_report.Args(out=out, smoke=True, steps=("drift", "nonesuch"))) == 2
-    assert "--steps: no step named nonesuch" in capsys.readouterr().err
-    assert gpu_report.main(gpu_report.Args(out=out, smoke=True, steps=("drift",))) == 0
+    assert "--steps: no step named nonesuch" in capsys.readouterr().err and ran == []
+    assert gpu_report.main(gpu_report.Args(out=out, smoke=True, steps=("drift", "speed"))) == 0
+    assert ran == ["speed", "drift"]  # in the report's order, not the flag's
     with open(os.path.join(out, "report.md")) as f:
         report = f.read()
-    assert "## drift:" in report and "## test_gpu:" not in report and "## speed:" not in report
+    assert "## drift:" in report and "## speed:" in report and "## test_gpu:" not in report and "## trl:" not in report
