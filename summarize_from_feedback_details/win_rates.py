@@ -136,12 +136,6 @@ def logistic_fits(outcomes: Sequence, covariate: Sequence, ridge: float = 1e-3, 
     return np.stack([beta[:, 0], beta[:, 1] / scale], axis=1)
 
 
-def logistic_fit(outcomes: Sequence, covariate: Sequence, ridge: float = 1e-3, steps: int = 50) -> tuple:
-    """(intercept, slope) of one logistic_fits row."""
-    intercept, slope = logistic_fits([outcomes], [covariate], ridge, steps)[0]
-    return float(intercept), float(slope)
-
-
 def length_controlled_win_rates(outcomes: Sequence, length_difference: Sequence) -> np.ndarray:
     """The win rate at zero length difference of each row of two (rows, prompts) arrays: sigmoid of
     the fitted intercept (see logistic_fits). Where only length decides, about 0.5 whatever the raw
