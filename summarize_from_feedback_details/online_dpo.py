@@ -71,6 +71,7 @@ from torch.utils.data import DataLoader
 from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.evaluation import final_evaluation, validate
 from summarize_from_feedback_details.infra.checkpoints import Resumable
+from summarize_from_feedback_details.infra.flags import RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import make_optimizer, start_run
 from summarize_from_feedback_details.infra.loading import (describe_frozen, enable_gradient_checkpointing, frozen_dtype,
                                                            load_policy, load_reward_model, load_split_dataset,
@@ -81,25 +82,44 @@ from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step
 
 
 @dataclass
-class Args:
-    # common
-    exp_name: Resumable[str] = os.path.basename(__file__)[: -len(".py")]
-    """name of the experiment: the start of the run name and, with --push_to_hub, part of the repo name"""
+class MethodArgs:
+    """online_dpo.py's flags that change what is learned, then (memory and speed) those that change only how the
+    work is split and run"""
+
+    # the DPO loss (as dpo.py), and the score of a response without EOS
+    beta: float = 0.1
+    """inverse temperature of the implicit reward beta * (log pi - log ref) (the Async RLHF code's and TRL's 0.1)"""
+    label_smoothing: float = 0.0
+    """conservative DPO: the reward model's ranking is taken to be wrong with this probability"""
+    ipo: bool = False
+    """the IPO loss (h - 1 / (2 beta))^2 instead of DPO's"""
+    truncate_token: Literal["eos"] = "eos"
+    """responses are cut after their first EOS (the only choice, as in the paper's runs)"""
+    penalty_reward_value: float = -1.0
+    """the score of a response without EOS (with --non_eos_penalty)"""
+    non_eos_penalty: bool = True
+    """the EOS trick: a rollout response without EOS scores --penalty_reward_value when the pair is
+    ranked (eval is unpenalised)"""
+
+    # seed, models and data
     seed: int = 1
     """global seed: query order, sampling, and each process's seeds (seed + rank * 100003)"""
-    run_name: Resumable[Optional[str]] = None
-    """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
-    deepspeed: Resumable[bool] = False
-    """assert that accelerate runs DeepSpeed (ZeRO-2 for the policy) and give it our batch sizes"""
-    offload: Resumable[bool] = False
-    """DeepSpeed only: the frozen reference policy and reward model as ZeRO-3 engines with their
-    parameters offloaded to CPU"""
-    run_eval: Resumable[bool] = False
-    """after training: every validation and test query sampled through the rollout engine at
-    `eval_temperature`, scored against the references (evaluation.py), saved as `<split>_table.csv`"""
-    print_sample_output_freq: Resumable[int] = 220
-    """every this many updates (starting with the first), save the validation samples of the update as
-    `samples_<update>.csv` (0: never)"""
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    """the tokenizer (and the hub repo name with --push_to_hub)"""
+    sft_model_path: str = "models/sft_model"
+    """policy and reference policy (a causal-LM checkpoint from sft.py)"""
+    reward_model_path: str = "models/reward_model"
+    """the annotator that picks chosen and rejected (a sequence-classification checkpoint from reward.py)"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """hub name or a local `save_to_disk` folder from tldr_dataset.py (the SFT dataset)"""
+
+    # sampling
+    response_length: int = 53
+    """tokens sampled per query in rollouts, validation and eval (53 for TL;DR)"""
+    temperature: float = 0.7
+    """rollout sampling temperature; the policy's and reference's log-probs in the loss are read at it too"""
+    eval_temperature: float = 0.01
+    """sampling temperature of the validation score and the final eval (the paper's 0.01)"""
 
     # optimizer
     lr: float = 3e-6
@@ -114,37 +134,17 @@ class Args:
     optimizer: Literal["adamw", "adam"] = "adamw"
     """`adamw`: decoupled weight decay; `adam`: torch's Adam, which adds --weight_decay to the gradient (L2)"""
 
-    # batch sizes, in episodes (a post and one sampled response; each post gives two): local_batch_size =
-    # local_micro_batch_size * gradient_accumulation_steps, batch_size = local_batch_size * world_size
-    gradient_accumulation_steps: Resumable[int] = 32
-    """micro-batches per update on each process (one optimizer step per update)"""
+    # batches, in episodes (a post and one sampled response; each post gives two): batch_size =
+    # local_micro_batch_size * gradient_accumulation_steps * world_size (both under memory and speed)
+    total_episodes: int = 1_000_000
+    """episodes of the whole run (PPO's budget: 1M); num_updates = this // batch_size"""
+
+    # memory and speed: how the work is split and run (each help says what, if anything, it changes)
     local_micro_batch_size: Resumable[int] = 2
     """episodes per forward/backward on each process, an even number: the two samples of a post (the
     chosen and the rejected) go through one forward. A memory knob: the update does not change"""
-    gradient_checkpointing: Resumable[bool] = False
-    """recompute the policy's activations in the backward pass: less memory, more compute, the same update"""
-
-    # LoRA and 4-bit base weights (DESIGN.md section 18)
-    use_peft: bool = False
-    """train LoRA adapters (peft) instead of every weight. <output_dir> gets the adapter merged in
-    (plain transformers loads it) and <output_dir>/adapter the adapter alone"""
-    lora_r: int = 16
-    """rank of the LoRA adapters (the reference is the policy with its adapter disabled)"""
-    lora_alpha: float = 32.0
-    """LoRA scaling: an adapter's update is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input. The stages run without dropout (N+ detail); > 0 makes the
-    training forward differ from the reference's at the first step, so h is no longer 0 there"""
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """module names to adapt (e.g. query_key_value dense); all-linear: every linear layer but the LM head"""
-    load_in_4bit: bool = False
-    """with --use_peft: the frozen base weights of the policy in 4-bit NF4 (bitsandbytes; a CUDA GPU or an
-    x86-64 CPU with AVX2; not under DeepSpeed). The saved merged model puts the adapter on the
-    full-precision base (QLoRA's usual export)"""
-    total_episodes: int = 1_000_000
-    """episodes of the whole run (PPO's budget: 1M); num_updates = this // batch_size"""
-    local_eval_batch_size: Resumable[int] = 2
-    """queries per process for the per-update validation score and in the final eval"""
+    gradient_accumulation_steps: Resumable[int] = 32
+    """micro-batches per update on each process (one optimizer step per update)"""
     local_rollout_forward_batch_size: int = 32
     """queries per generation chunk (each sampled twice, from two seeded generators) and per reward
     forward (of its 2 x this responses); must divide the local_batch_size / 2 queries of an update.
@@ -155,6 +155,10 @@ class Args:
     """rows per batched decode: the update's validation chunks and rollout chunks, packed whole in that
     order (default: the validation queries plus one chunk's two samples). A memory knob: each chunk
     samples from its own seeded generator, so it changes no sample"""
+    local_eval_batch_size: Resumable[int] = 2
+    """queries per process for the per-update validation score and in the final eval"""
+    gradient_checkpointing: Resumable[bool] = False
+    """recompute the policy's activations in the backward pass: less memory, more compute, the same update"""
     packing: bool = True
     """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
     compile_train: bool = False
@@ -165,68 +169,31 @@ class Args:
     free_decode_cache: Resumable[bool] = False
     """with the compiled decode: free its static KV cache after each rollout, before the DPO step, at
     the cost of recording the CUDA graphs again every update"""
+    deepspeed: Resumable[bool] = False
+    """assert that accelerate runs DeepSpeed (ZeRO-2 for the policy) and give it our batch sizes"""
+    offload: Resumable[bool] = False
+    """DeepSpeed only: the frozen reference policy and reward model as ZeRO-3 engines with their
+    parameters offloaded to CPU"""
 
-    # model and data
-    base_model: str = "EleutherAI/pythia-1b-deduped"
-    """the tokenizer (and the hub repo name with --push_to_hub)"""
-    sft_model_path: str = "models/sft_model"
-    """policy and reference policy (a causal-LM checkpoint from sft.py)"""
-    reward_model_path: str = "models/reward_model"
-    """the annotator that picks chosen and rejected (a sequence-classification checkpoint from reward.py)"""
-    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
-    """hub name or a local `save_to_disk` folder from tldr_dataset.py (the SFT dataset)"""
-    response_length: int = 53
-    """tokens sampled per query in rollouts, validation and eval (53 for TL;DR)"""
-    truncate_token: Literal["eos"] = "eos"
-    """responses are cut after their first EOS (the only choice, as in the paper's runs)"""
-    temperature: float = 0.7
-    """rollout sampling temperature; the policy's and reference's log-probs in the loss are read at it too"""
-    eval_temperature: float = 0.01
-    """sampling temperature of the validation score and the final eval (the paper's 0.01)"""
-    penalty_reward_value: float = -1.0
-    """the score of a response without EOS (with --non_eos_penalty)"""
-    non_eos_penalty: bool = True
-    """the EOS trick: a rollout response without EOS scores --penalty_reward_value when the pair is
-    ranked (eval is unpenalised)"""
 
-    # the DPO loss (as dpo.py)
-    beta: float = 0.1
-    """inverse temperature of the implicit reward beta * (log pi - log ref) (the Async RLHF code's and TRL's 0.1)"""
-    label_smoothing: float = 0.0
-    """conservative DPO: the reward model's ranking is taken to be wrong with this probability"""
-    ipo: bool = False
-    """the IPO loss (h - 1 / (2 beta))^2 instead of DPO's"""
+@dataclass
+class Args(RunArgs, MethodArgs):
+    """Every flag of the stage: MethodArgs' (above), RunArgs' (infra/flags.py: naming, checkpoints, tracking,
+    LoRA), then this stage's own plumbing"""
 
-    # checkpoints (DESIGN section 15): in `<output_dir>/checkpoints`
-    checkpoint_every: Resumable[int] = 0
-    """also save a checkpoint every this many updates (0: only on SIGTERM / SIGUSR1)"""
-    keep_checkpoints: Resumable[int] = 1
-    """the newest checkpoints to keep"""
-    resume: Resumable[bool] = False
-    """continue from the newest checkpoint (the same stage, seed and batch arithmetic; any process count)"""
-    accept_changed_settings: Resumable[bool] = False
-    """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
-    from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
-    on_nonfinite: Resumable[Literal["stop", "skip"]] = "stop"
-    """what a non-finite loss, gradient norm or rollout score does: `stop` ends the run (exit 1) naming the
-    update, phase and tensor, saves no model and keeps the last checkpoint; `skip` skips that optimizer
-    step (a rollout's: its update) and counts it (`nonfinite/skipped`)"""
-    warn: list[str] = field(default_factory=list)
+    # this stage's run
+    exp_name: Resumable[str] = os.path.basename(__file__)[: -len(".py")]
+    """name of the experiment: the start of the run name and, with --push_to_hub, part of the repo name"""
+    run_eval: Resumable[bool] = False
+    """after training: every validation and test query sampled through the rollout engine at
+    `eval_temperature`, scored against the references (evaluation.py), saved as `<split>_table.csv`"""
+    print_sample_output_freq: Resumable[int] = 220
+    """every this many updates (starting with the first), save the validation samples of the update as
+    `samples_<update>.csv` (0: never)"""
+    warn: Resumable[list[str]] = field(default_factory=list)
     """early warnings, off unless named (NAME=THRESHOLD each; one printed warning with the update, at the first
     crossing): kl=X objective/kl above X, entropy=X objective/entropy below X, length_change=F the mean response
     length off the first update's by more than the fraction F"""
-
-    # tracking and output
-    track: Resumable[bool] = False
-    """also log to Weights & Biases (TensorBoard events and metrics.jsonl in runs/<run_name> are always written)"""
-    wandb_project_name: Resumable[str] = "tldr_summarize"
-    """the wandb project of --track"""
-    wandb_entity: Resumable[Optional[str]] = None
-    """the wandb team or user of --track (None: your default entity)"""
-    push_to_hub: Resumable[bool] = False
-    """upload the saved policy to <hf_entity>/<base_model>__<exp_name>__tldr, revision <run_name> (else no hub call)"""
-    hf_entity: Resumable[Optional[str]] = None
-    """the hub user or organisation of --push_to_hub (None: the logged-in user)"""
     output_dir: Resumable[str] = "models/online_dpo_model"
     """where the trained policy goes, with checkpoints/ inside ("" saves nothing)"""
 
@@ -622,5 +589,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    from summarize_from_feedback_details.infra.flags import parse_args  # tyro.cli, knowing other codebases' flags
-    main(parse_args(Args))
+    main(parse_args(Args))  # tyro.cli, knowing other codebases' flags

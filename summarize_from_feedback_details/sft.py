@@ -19,7 +19,7 @@ import contextlib
 import functools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import numpy as np
@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.infra.checkpoints import Resumable
+from summarize_from_feedback_details.infra.flags import RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import make_optimizer, quiet_libraries, start_run
 from summarize_from_feedback_details.infra.loading import (enable_gradient_checkpointing, load_policy,
                                                            load_split_dataset, load_tokenizer, require_splits)
@@ -43,20 +44,24 @@ from transformers import GenerationConfig, get_scheduler  # noqa: E402
 
 
 @dataclass
-class Args:
-    # common
-    exp_name: Resumable[str] = os.path.basename(__file__)[: -len(".py")]
-    """name of the experiment: the start of the run name and, with --push_to_hub, part of the repo name"""
+class MethodArgs:
+    """sft.py's flags that change what is learned, then (memory and speed) those that change only how the work
+    is split and run"""
+
+    # the loss
+    response_only_loss: bool = False
+    """train on response tokens only (the dataset's `_response_label` column)"""
+    loss_normalization: Literal["sequence", "token"] = "sequence"
+    """`sequence`: mean over the global batch of each sequence's token-mean loss (what the paper's
+    runs computed, at micro-batch 1); `token`: mean over all target tokens of the global batch"""
+
+    # seed, models and data
     seed: int = 1
     """global seed: the data order, and each process's python/numpy/torch seed (seed + rank * 100003)"""
-    run_name: Resumable[Optional[str]] = None
-    """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
-    deepspeed: Resumable[bool] = False
-    """assert that accelerate runs DeepSpeed and give it our micro-batch size"""
-    run_eval: Resumable[bool] = False
-    """after training: validation/test loss, generation at `temperature`, ROUGE, sample tables"""
-    print_sample_output_freq: Resumable[int] = 0
-    """every this many updates, generate for a few validation queries and log them (0: never)"""
+    base_model: str = "EleutherAI/pythia-1b-deduped"
+    """the model to fine-tune and its tokenizer (hub name or local folder); names the hub repo of --push_to_hub"""
+    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+    """hub name or a local `save_to_disk` folder from tldr_dataset.py"""
 
     # optimizer
     lr: float = 3e-6
@@ -75,84 +80,47 @@ class Args:
     warm_up_steps: int = 0
     """updates of warm-up at the start of the schedule (0: none, as in the paper)"""
 
-    # batch sizes; local_batch_size = local_micro_batch_size * gradient_accumulation_steps,
-    # batch_size = local_batch_size * world_size
+    # batches: batch_size = local_micro_batch_size * gradient_accumulation_steps * world_size (memory and speed, below)
     num_train_epochs: int = 1
     """passes over the train split, when --total_episodes is not given"""
-    gradient_accumulation_steps: Resumable[int] = 16
-    """micro-batches per update on each process (derived from --batch_size when that is given)"""
-    local_micro_batch_size: Resumable[int] = 1
-    """sequences per forward/backward on each process: a memory knob, the update does not change"""
-    batch_size: Optional[int] = None
-    """global batch: if given, gradient_accumulation_steps is derived from it (must divide exactly)"""
-    local_eval_batch_size: Resumable[int] = 4
-    """queries per process in each batch of the eval (loss, generation, ROUGE) and of the sample generation"""
     total_episodes: Optional[int] = None
     """defaults to len(train split) * num_train_epochs; more than one pass reshuffles per pass"""
-    packing: bool = True
-    """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
-    gradient_checkpointing: Resumable[bool] = False
-    """recompute activations in the backward pass: less memory, about a third more compute, the same update"""
+    batch_size: Optional[int] = None
+    """global batch: if given, gradient_accumulation_steps is derived from it (must divide exactly)"""
 
-    # LoRA and 4-bit base weights (DESIGN.md section 18)
-    use_peft: bool = False
-    """train LoRA adapters (peft) instead of every weight. <output_dir> gets the adapter merged in
-    (plain transformers loads it; every later stage reads it) and <output_dir>/adapter the adapter alone"""
-    lora_r: int = 16
-    """rank of the LoRA adapters"""
-    lora_alpha: float = 32.0
-    """LoRA scaling: an adapter's update is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input. The stages run without dropout (N+ detail); > 0 makes the
-    training forwards differ from the rollouts', so PPO's first ratio is no longer 1"""
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """module names to adapt (e.g. query_key_value dense); all-linear: every linear layer but the LM head"""
-    load_in_4bit: bool = False
-    """with --use_peft: the frozen base weights of the trained models in 4-bit NF4 (bitsandbytes; a CUDA
-    GPU or an x86-64 CPU with AVX2; not under DeepSpeed). The saved merged model puts the adapter on the
-    full-precision base (QLoRA's usual export)"""
-    loss_normalization: Literal["sequence", "token"] = "sequence"
-    """`sequence`: mean over the global batch of each sequence's token-mean loss (what the paper's
-    runs computed, at micro-batch 1); `token`: mean over all target tokens of the global batch"""
-    response_only_loss: bool = False
-    """train on response tokens only (the dataset's `_response_label` column)"""
-
-    # model and data
-    base_model: str = "EleutherAI/pythia-1b-deduped"
-    """the model to fine-tune and its tokenizer (hub name or local folder); names the hub repo of --push_to_hub"""
-    query_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
-    """hub name or a local `save_to_disk` folder from tldr_dataset.py"""
+    # generation in the eval and the sample output
     response_length: int = 53
     """tokens generated per query in the eval and the sample generation (53 for TL;DR)"""
     temperature: float = 0.01
     """sampling temperature of the eval and the sample generation (the paper's 0.01, nearly greedy)"""
 
-    # checkpoints (DESIGN section 15): in `<output_dir>/checkpoints`
-    checkpoint_every: Resumable[int] = 0
-    """also save a checkpoint every this many updates (0: only on SIGTERM / SIGUSR1)"""
-    keep_checkpoints: Resumable[int] = 1
-    """the newest checkpoints to keep"""
-    resume: Resumable[bool] = False
-    """continue from the newest checkpoint (the same stage, seed and batch arithmetic; any process count)"""
-    accept_changed_settings: Resumable[bool] = False
-    """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
-    from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
-    on_nonfinite: Resumable[Literal["stop", "skip"]] = "stop"
-    """what a non-finite loss or gradient norm does: `stop` ends the run (exit 1) naming the update, phase and
-    tensor, saves no model and keeps the last checkpoint; `skip` skips that optimizer step and counts it
-    (`nonfinite/skipped`)"""
+    # memory and speed: how the work is split and run (each help says what, if anything, it changes)
+    local_micro_batch_size: Resumable[int] = 1
+    """sequences per forward/backward on each process: a memory knob, the update does not change"""
+    gradient_accumulation_steps: Resumable[int] = 16
+    """micro-batches per update on each process (derived from --batch_size when that is given)"""
+    local_eval_batch_size: Resumable[int] = 4
+    """queries per process in each batch of the eval (loss, generation, ROUGE) and of the sample generation"""
+    gradient_checkpointing: Resumable[bool] = False
+    """recompute activations in the backward pass: less memory, about a third more compute, the same update"""
+    packing: bool = True
+    """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
+    deepspeed: Resumable[bool] = False
+    """assert that accelerate runs DeepSpeed and give it our micro-batch size"""
 
-    # tracking and output
-    track: Resumable[bool] = False
-    """also log to Weights & Biases (TensorBoard events and metrics.jsonl in runs/<run_name> are always written)"""
-    wandb_project_name: Resumable[str] = "tldr_summarize"
-    """the wandb project of --track"""
-    wandb_entity: Resumable[Optional[str]] = None
-    """the wandb team or user of --track (None: your default entity)"""
-    push_to_hub: Resumable[bool] = False
-    """upload the saved model to <hf_entity>/<base_model>__<exp_name>__tldr, revision <run_name> (else no hub call)"""
-    hf_entity: Resumable[Optional[str]] = None
-    """the hub user or organisation of --push_to_hub (None: the logged-in user)"""
+
+@dataclass
+class Args(RunArgs, MethodArgs):
+    """Every flag of the stage: MethodArgs' (above), RunArgs' (infra/flags.py: naming, checkpoints, tracking,
+    LoRA), then this stage's own plumbing"""
+
+    # this stage's run
+    exp_name: Resumable[str] = os.path.basename(__file__)[: -len(".py")]
+    """name of the experiment: the start of the run name and, with --push_to_hub, part of the repo name"""
+    run_eval: Resumable[bool] = False
+    """after training: validation/test loss, generation at `temperature`, ROUGE, sample tables"""
+    print_sample_output_freq: Resumable[int] = 0
+    """every this many updates, generate for a few validation queries and log them (0: never)"""
     output_dir: Resumable[str] = "models/sft_model"
     """where the trained model and tokenizer are saved, with checkpoints/ inside ("" saves nothing)"""
 
@@ -450,5 +418,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    from summarize_from_feedback_details.infra.flags import parse_args  # tyro.cli, knowing other codebases' flags
-    main(parse_args(Args))
+    main(parse_args(Args))  # tyro.cli, knowing other codebases' flags

@@ -7,8 +7,11 @@ the torch import each time."""
 import ast
 import collections
 import contextlib
+import dataclasses
+import inspect
 import io
 import re
+import textwrap
 import typing
 import warnings
 from dataclasses import dataclass
@@ -18,12 +21,17 @@ import tyro
 
 from summarize_from_feedback_details import (dpo, online_dpo, ppo_left_padding, reward, rloo, sft, synthetic_tldr,
                                              tiny_models)
-from summarize_from_feedback_details.infra.flags import FOREIGN_FLAGS, flag_names, parse_args
+from summarize_from_feedback_details.infra import checkpoints
+from summarize_from_feedback_details.infra.checkpoints import resumable_fields
+from summarize_from_feedback_details.infra.flags import FOREIGN_FLAGS, RunArgs, flag_names, parse_args
 
 STAGES = {"sft": sft, "reward": reward, "dpo": dpo, "ppo_left_padding": ppo_left_padding, "rloo": rloo,
           "online_dpo": online_dpo, "tiny_models": tiny_models, "synthetic_tldr": synthetic_tldr}
 TRAINING_STAGES = ("sft", "reward", "dpo", "ppo_left_padding", "rloo", "online_dpo")
 DERIVING_THE_BATCH = ("ppo_left_padding", "rloo", "online_dpo")  # (batch_size is derived, not a flag)
+# speed knobs that change a result to float noise, so a resume does not take a changed one (not Resumable)
+SPEED_KNOBS_KEPT_ON_RESUME = {"packing", "compile_train", "local_rollout_forward_batch_size"}
+METHOD, MEMORY_AND_SPEED, RUN, STAGE_PLUMBING = range(4)
 
 
 def flag_helps(args_class) -> dict:
@@ -185,3 +193,67 @@ def test_fields_derived_at_run_time_are_not_flags(stage, capsys):
         assert refused.value.code == 2 and "Unrecognized" in capsys.readouterr().err
     if stage not in DERIVING_THE_BATCH:  # (sft/reward/dpo take the global batch, derive the accumulation)
         assert parse_args(args_class, args=["--batch_size", "64"]).batch_size == 64
+
+
+def sections(args_class) -> list:
+    """(field, section) for each field of a stage's Args in their order: the method's (what changes a
+    result), memory and speed (Resumable, or a speed knob), the shared RunArgs, the stage's own plumbing."""
+    names = [f.name for f in dataclasses.fields(args_class)]
+    run_fields, resumable = {f.name for f in dataclasses.fields(RunArgs)}, resumable_fields(args_class)
+    last_run_field = max(i for i, name in enumerate(names) if name in run_fields)
+    return [(name, RUN if name in run_fields else STAGE_PLUMBING if i > last_run_field
+             else MEMORY_AND_SPEED if name in resumable | SPEED_KNOBS_KEPT_ON_RESUME else METHOD)
+            for i, name in enumerate(names)]
+
+
+def under_the_memory_and_speed_header(method_args) -> dict:
+    """field -> whether MethodArgs declares it below its `# memory and speed` comment."""
+    source = textwrap.dedent(inspect.getsource(method_args))
+    header = next(i for i, line in enumerate(source.splitlines()) if line.strip().startswith("# memory and speed"))
+    declared = [node for node in ast.parse(source).body[0].body if isinstance(node, ast.AnnAssign)]
+    return {node.target.id: node.lineno - 1 > header for node in declared}
+
+
+@pytest.mark.parametrize("stage", TRAINING_STAGES)
+def test_args_read_algorithm_first(stage):
+    """DESIGN section 1: the method's hyperparameters and data, then memory and speed under their header,
+    then the run plumbing (RunArgs' fields, then the stage's own), which changes no result."""
+    args_class = STAGES[stage].Args
+    order = sections(args_class)
+    assert [section for _, section in order] == sorted(section for _, section in order), order
+    assert order[0][1] == METHOD
+    below = under_the_memory_and_speed_header(STAGES[stage].MethodArgs)
+    assert below == {name: section == MEMORY_AND_SPEED for name, section in order if section <= MEMORY_AND_SPEED}
+    hints = typing.get_type_hints(args_class, include_extras=True)
+    for name, section in order:
+        if section == STAGE_PLUMBING:  # may change on resume, or is no flag at all
+            assert name in resumable_fields(args_class) or "Suppress" in str(hints[name]), name
+
+
+def test_the_order_check_can_fail():
+    @dataclass
+    class MethodArgs:
+        lr: float = 1.0
+        # memory and speed
+        local_micro_batch_size: checkpoints.Resumable[int] = 1
+        seed: int = 1  # a method field among the memory knobs
+
+    @dataclass
+    class Args(RunArgs, MethodArgs):
+        output_dir: checkpoints.Resumable[str] = ""
+
+    order = sections(Args)
+    assert [section for _, section in order][:3] == [METHOD, MEMORY_AND_SPEED, METHOD]
+    assert order[-1] == ("output_dir", STAGE_PLUMBING)
+    assert under_the_memory_and_speed_header(MethodArgs) == {"lr": False, "local_micro_batch_size": True, "seed": True}
+
+
+@pytest.mark.parametrize("stage", TRAINING_STAGES)
+def test_run_fields_are_declared_once_in_run_args(stage):
+    """The run plumbing every stage shares comes from infra.flags.RunArgs, which tyro flattens: each stage's
+    Args inherits it and declares none of its fields again (a redeclared field would drift)."""
+    args_class, method_args = STAGES[stage].Args, STAGES[stage].MethodArgs
+    assert issubclass(args_class, RunArgs) and issubclass(args_class, method_args)
+    own = set(vars(method_args).get("__annotations__", {})) | set(vars(args_class).get("__annotations__", {}))
+    assert not own & {f.name for f in dataclasses.fields(RunArgs)}
+    assert {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(RunArgs)} <= set(flag_helps(args_class))

@@ -1,14 +1,78 @@
-"""The command line of the stages: nothing here changes a result. `parse_args` is tyro's, with our
-names for flags that TRL, CleanRL or the paper's scripts name differently.
+"""The command line of the stages: nothing here changes a result but LoRA's settings, which DESIGN
+section 1 counts as plumbing. `RunArgs`: the flags every training stage shares, word for word; `parse_args`
+is tyro's, with our names for flags that TRL, CleanRL or the paper's scripts name differently.
 """
 
 import dataclasses
 import os
 import sys
 import typing
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Literal, Optional
 
 import tyro
+
+from summarize_from_feedback_details.infra.checkpoints import Resumable
+
+
+@dataclass
+class RunArgs:
+    """The run plumbing of every training stage. A stage's Args inherits it, so tyro lists these flags, names
+    and helps included, as if the stage declared them: after the method's fields and before the stage's own
+    plumbing (`class Args(RunArgs, MethodArgs)`: a dataclass lists its last base's fields first)."""
+
+    # naming
+    run_name: Resumable[Optional[str]] = None
+    """defaults to `{exp_name}__{seed}__{unix time of rank 0}`"""
+
+    # checkpoints (DESIGN section 15): in `<output_dir>/checkpoints`
+    checkpoint_every: Resumable[int] = 0
+    """also save a checkpoint every this many updates (0: only on SIGTERM / SIGUSR1)"""
+    keep_checkpoints: Resumable[int] = 1
+    """the newest checkpoints to keep"""
+    resume: Resumable[bool] = False
+    """continue from the newest checkpoint (the same stage, seed and batch arithmetic; any process count)"""
+    accept_changed_settings: Resumable[bool] = False
+    """with --resume: continue although flags that change results (lr, lengths, model paths, ...) differ
+    from the checkpoint's (refused otherwise; memory knobs and logging may always change)"""
+    on_nonfinite: Resumable[Literal["stop", "skip"]] = "stop"
+    """what a non-finite loss or gradient norm (and in the online stages a rollout's score, value, KL or
+    advantage) does: `stop` ends the run (exit 1) naming the update, phase and tensor, saves no model and
+    keeps the last checkpoint; `skip` skips that optimizer step (a rollout's: the rest of its update) and
+    counts it (`nonfinite/skipped`)"""
+
+    # tracking and the hub
+    track: Resumable[bool] = False
+    """also log to Weights & Biases (TensorBoard events and metrics.jsonl in runs/<run_name> are always written)"""
+    wandb_project_name: Resumable[str] = "tldr_summarize"
+    """the wandb project of --track"""
+    wandb_entity: Resumable[Optional[str]] = None
+    """the wandb team or user of --track (None: your default entity)"""
+    push_to_hub: Resumable[bool] = False
+    """upload the saved model to <hf_entity>/<base_model>__<exp_name>__tldr, revision <run_name> (else no hub call)"""
+    hf_entity: Resumable[Optional[str]] = None
+    """the hub user or organisation of --push_to_hub (None: the logged-in user)"""
+
+    # LoRA and 4-bit base weights (DESIGN.md section 18)
+    use_peft: bool = False
+    """train LoRA adapters (peft) instead of every weight; heads (the reward model's, the critic's) train in
+    full, and DPO, RLOO and online DPO take the policy with its adapter disabled as their reference.
+    <output_dir> gets the adapter merged in (plain transformers loads it; every later stage reads it) and
+    <output_dir>/adapter the adapter alone"""
+    lora_r: int = 16
+    """rank of the LoRA adapters"""
+    lora_alpha: float = 32.0
+    """LoRA scaling: an adapter's update is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input. The stages run without dropout (N+ detail); > 0 makes the training
+    forwards differ from the rollouts' and the reference's (PPO's and RLOO's first ratio is no longer 1,
+    online DPO's first h no longer 0)"""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """module names to adapt (e.g. query_key_value dense); all-linear: every linear layer but the LM head"""
+    load_in_4bit: bool = False
+    """with --use_peft: the frozen base weights of the trained models in 4-bit NF4 (bitsandbytes; a CUDA
+    GPU or an x86-64 CPU with AVX2; not under DeepSpeed). The saved merged model puts the adapter on the
+    full-precision base (QLoRA's usual export)"""
 
 
 TRL, CLEANRL, PAPER = "TRL's", "CleanRL's", "the paper's"
