@@ -29,7 +29,8 @@ STAGES = {"sft": sft, "reward": reward, "dpo": dpo, "ppo_left_padding": ppo_left
           "online_dpo": online_dpo, "tiny_models": tiny_models, "synthetic_tldr": synthetic_tldr}
 TRAINING_STAGES = ("sft", "reward", "dpo", "ppo_left_padding", "rloo", "online_dpo")
 DERIVING_THE_BATCH = ("ppo_left_padding", "rloo", "online_dpo")  # (batch_size is derived, not a flag)
-# speed knobs that change a result to float noise, so a resume does not take a changed one (not Resumable)
+# speed knobs that change a result, so a resume refuses a changed one (not Resumable): packing and the compiled
+# body to float noise, the rollout forward batch which responses are drawn
 SPEED_KNOBS_KEPT_ON_RESUME = {"packing", "compile_train", "local_rollout_forward_batch_size"}
 METHOD, MEMORY_AND_SPEED, RUN, STAGE_PLUMBING = range(4)
 
@@ -224,10 +225,10 @@ def test_args_read_algorithm_first(stage):
     assert order[0][1] == METHOD
     below = under_the_memory_and_speed_header(STAGES[stage].MethodArgs)
     assert below == {name: section == MEMORY_AND_SPEED for name, section in order if section <= MEMORY_AND_SPEED}
-    hints = typing.get_type_hints(args_class, include_extras=True)
+    hints, resumable = typing.get_type_hints(args_class, include_extras=True), resumable_fields(args_class)
     for name, section in order:
         if section == STAGE_PLUMBING:  # may change on resume, or is no flag at all
-            assert name in resumable_fields(args_class) or "Suppress" in str(hints[name]), name
+            assert name in resumable or "Suppress" in str(hints[name]), name
 
 
 def test_the_order_check_can_fail():
