@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 TEST_WORKERS ?= 2
 test: install
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) \
-		--dist loadfile --no-loadscope-reorder --durations=20
+		--dist loadfile --no-loadscope-reorder --durations=20 --cpu-durations=25
 
 # Opt-in, needs CUDA (skipped without; stops where nvidia-smi lists GPUs torch cannot see): sft, reward, PPO and DPO on one GPU with bf16 and DeepSpeed
 # ZeRO-2 at Pythia-410m's shape; prints seconds per update and peak GPU memory.

@@ -15,6 +15,10 @@ from accelerate.state import AcceleratorState, GradientState
 
 from summarize_from_feedback_details import synthetic_tldr, tiny_models, tldr_dataset
 
+# tests/cpu_seconds.py: `--cpu-durations`, what each test cost in CPU, launched runs included (make test
+# shows it); pytester runs pytest inside a test (tests/test_cpu_seconds.py)
+pytest_plugins = ["cpu_seconds", "pytester"]
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 # Lengths of the tiny default (hello_world.sh passes the same flags): queries are short enough for

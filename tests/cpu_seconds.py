@@ -1,0 +1,74 @@
+"""`--cpu-durations=N`: the N tests that took the most CPU, counting the runs they launched.
+
+The suite runs on two cores and is bound by CPU, so a test's wall time (`--durations`) says little
+about what it costs: launches side by side overlap, and a test slows while the other worker's
+launches take its core. This counts what each phase of a test (set-up, call, tear-down) spent in
+CPU seconds: the worker's own (every thread of it) plus its finished child processes, whose own
+children (a launcher's ranks) are counted in them once waited for. It reports per test, per module
+and in all, also under pytest-xdist (the numbers travel with the test reports)."""
+
+import resource
+from collections import defaultdict
+
+import pytest
+
+KEY = "cpu_seconds"
+
+
+def cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="show the N test phases with the most CPU seconds, launched runs included (0: all)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # makereport comes right after its phase ran; the phase's start was recorded by the hooks below
+    outcome = yield
+    start = getattr(item, "_cpu_seconds_start", None)
+    if start is not None:
+        outcome.get_result().user_properties.append((KEY, cpu_seconds() - start))
+
+
+def _phase(item):
+    item._cpu_seconds_start = cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    _phase(item)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _phase(item)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    _phase(item)
+    yield
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    shown = config.getoption("--cpu-durations")
+    if shown is None:
+        return
+    phases = [(value, report.when, report.nodeid) for reports in terminalreporter.stats.values() for report in reports
+              if hasattr(report, "user_properties") for key, value in report.user_properties if key == KEY]
+    phases.sort(reverse=True)
+    modules = defaultdict(float)
+    for value, _, nodeid in phases:
+        modules[nodeid.split("::")[0]] += value
+    terminalreporter.write_sep("=", f"most CPU seconds (launched runs included): {sum(modules.values()):.0f} s in all")
+    for value, when, nodeid in phases[:shown or None]:
+        terminalreporter.write_line(f"{value:8.2f}s {when:<8} {nodeid}")
+    terminalreporter.write_line("by module:")
+    for module, value in sorted(modules.items(), key=lambda pair: -pair[1]):
+        terminalreporter.write_line(f"{value:8.1f}s {module}")
