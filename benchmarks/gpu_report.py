@@ -161,6 +161,29 @@ def machine() -> str:
             f"- commit {commit.strip() or 'unknown'}, {datetime.datetime.now().isoformat(timespec='seconds')}\n")
 
 
+def live_processes_of_group(group: int) -> list:
+    """The pids of process group `group` that have not exited (a zombie has: it holds no GPU memory)."""
+    live = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, process_group = f.read().rsplit(")", 1)[1].split()[:3]
+        except OSError:  # it exited meanwhile
+            continue
+        if state != "Z" and int(process_group) == group:
+            live.append(int(pid))
+    return live
+
+
+def kill_group(group: int, wait_s: float = 60) -> None:
+    """SIGKILL to every process of `group`, then wait until none runs: a killed process lets go of its GPU
+    memory only when it has exited, which under load comes a while after the signal."""
+    os.killpg(group, signal.SIGKILL)
+    end = time.time() + wait_s
+    while live_processes_of_group(group) and time.time() < end:
+        time.sleep(0.05)
+
+
 def run_step(step: Step, out: str, timeout_s: int) -> dict:
     """One step, its whole output into <out>/<step>.log: its status ("ok", "FAILED (exit N)" or "TIMED OUT
     after N s") and seconds."""
@@ -173,7 +196,7 @@ def run_step(step: Step, out: str, timeout_s: int) -> dict:
             code = process.wait(timeout=timeout_s or None)
             status = "ok" if code == 0 else f"FAILED (exit {code})"
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_group(process.pid)
             process.wait()
             status = f"TIMED OUT after {timeout_s} s"
     return {"status": status, "seconds": time.time() - start}

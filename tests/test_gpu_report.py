@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import side_by_side
@@ -63,6 +64,27 @@ def test_smoke_report_on_the_cpu(tmp_path):
     drift = reports["checks"][reports["checks"].index("## drift"):]
     # the same tokens at batch 1 and 4 in each dtype the CPU runs, against fp32 at batch 1 (0 there)
     assert "| fp32 | 1 | 32 | 0 | 0 | 0 |" in drift and "| bf16 | 4 | 32 |" in drift
+
+
+def test_killing_a_group_returns_once_none_of_it_runs(monkeypatch):
+    """kill_group waits for the exits, not only the signals: under load a killed process runs on for a
+    while (the suite once saw a killed `sleep` still running as the next check came), holding its GPU."""
+    group = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
+    deadline = time.time() + 30
+    while len(gpu_report.live_processes_of_group(group.pid)) < 3 and time.time() < deadline:
+        time.sleep(0.02)
+    live = gpu_report.live_processes_of_group(group.pid)
+    assert len(live) == 3 and group.pid in live, live  # bash and its two sleeps
+    gpu_report.kill_group(group.pid)
+    assert gpu_report.live_processes_of_group(group.pid) == []
+    group.wait()
+    # a group whose last process exits only at the third look (an idle machine rarely shows the wait)
+    looks, signals = [], []
+    monkeypatch.setattr(gpu_report, "live_processes_of_group",
+                        lambda g: looks.append(g) or ([4321] if len(looks) < 3 else []))
+    monkeypatch.setattr(gpu_report.os, "killpg", lambda g, signum: signals.append((g, signum)))
+    gpu_report.kill_group(1234)
+    assert signals == [(1234, gpu_report.signal.SIGKILL)] and looks == [1234] * 3
 
 
 def test_a_step_past_its_timeout_is_stopped_with_the_processes_it_launched(tmp_path):
