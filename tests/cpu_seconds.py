@@ -25,35 +25,19 @@ def pytest_addoption(parser):
                      help="show the N test phases with the most CPU seconds, launched runs included (0: all)")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.cpu_seconds_mark = cpu_seconds()  # before pytest's own set-up builds the fixtures
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    # makereport comes right after its phase ran; the phase's start was recorded by the hooks below
+    # a test's phases (set-up, call, tear-down) run back to back, each followed at once by its report: a
+    # phase's CPU is what was spent since the set-up began or the previous phase's report
     outcome = yield
-    start = getattr(item, "_cpu_seconds_start", None)
-    if start is not None:
-        outcome.get_result().user_properties.append((KEY, cpu_seconds() - start))
-
-
-def _phase(item):
-    item._cpu_seconds_start = cpu_seconds()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
-    _phase(item)
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    _phase(item)
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item):
-    _phase(item)
-    yield
+    now = cpu_seconds()
+    outcome.get_result().user_properties.append((KEY, now - item.cpu_seconds_mark))
+    item.cpu_seconds_mark = now
 
 
 def pytest_terminal_summary(terminalreporter, config):
