@@ -10,6 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import forked_launches
 import pytest
 from accelerate.state import AcceleratorState, GradientState
 
@@ -180,9 +181,9 @@ def free_port() -> int:
 
 def side_by_side(**calls) -> dict:
     """name -> the finished Future of call() for `calls` run at once, each in a thread: .result() gives its
-    value, or raises its failure in the test that reads it. For launches: each spends most of its ~10 s in 3
-    Python processes importing torch, mostly one core at a time, so launches side by side fill the cores one
-    leaves idle (the runs are the same; each launch has its own port, output and run folder)."""
+    value, or raises its failure in the test that reads it. For launches: one launch's ranks wait on each
+    other (start, rendezvous, collectives) and on the disk, so launches side by side fill the time one leaves
+    idle (the runs are the same; each launch has its own port, output and run folder)."""
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = {name: pool.submit(call) for name, call in calls.items()}
     return futures
@@ -197,12 +198,20 @@ def accelerate_launcher(num_processes: int, config: str = None) -> list:
     return base + ["--multi_gpu", "--num_processes", str(num_processes)]
 
 
+def launched(cmd: list, cwd, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, ...), without the cost of starting Python
+    where `cmd` is a launch or a script of this interpreter (tests/forked_launches.py)."""
+    if forked_launches.launchable(cmd):
+        return forked_launches.run(cmd, cwd, env, timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+
+
 def run_script(cmd: list, cwd, **env) -> subprocess.CompletedProcess:
     """A stage script as a user launches it, offline; a failure shows the tail of its output."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", **env)
     if "--multi_gpu" in cmd:  # DDP over gloo on CPU (with DeepSpeed this variable would drop the plugin)
         env["ACCELERATE_USE_CPU"] = "1"
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    result = launched(cmd, cwd, env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -327,7 +336,10 @@ def run_until_signalled(cmd: list, cwd, metrics_path, after_lines: int, **env) -
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PET_SIGNALS_TO_HANDLE=FORWARDED_SIGNALS, **env)
     if "--multi_gpu" in cmd:
         env["ACCELERATE_USE_CPU"] = "1"
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    if forked_launches.launchable(cmd):
+        process = forked_launches.start(cmd, cwd, env)
+    else:
+        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     while process.poll() is None:
         if os.path.exists(metrics_path):
             with open(metrics_path) as f:

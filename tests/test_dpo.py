@@ -1,7 +1,6 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pandas as pd
@@ -11,7 +10,7 @@ from datasets import DatasetDict, load_from_disk
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script,
+from conftest import (accelerate_launcher, as_flags, assert_throughput, launched, run_in_process, run_script,
                       run_until_signalled, signal_on_call, stop_and_copy, without_rates)
 from summarize_from_feedback_details import dpo, reward, sft
 from summarize_from_feedback_details.infra import checkpoints
@@ -426,9 +425,9 @@ def test_deepspeed_resume_equals_the_uninterrupted_run(zero2_runs, tiny_datasets
 def test_clear_errors(tiny_datasets, models_dir, tmp_path):
     """In this process (as the command line raises them), and once through the command line."""
     data_dir, _ = tiny_datasets
-    result = subprocess.run([sys.executable, SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
-                             sft_model(models_dir), "--output_dir", str(tmp_path / "x"), "--label_dataset", "./nope"],
-                            capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    result = launched([sys.executable, SCRIPT, "--base_model", sft_model(models_dir), "--sft_model_path",
+                       sft_model(models_dir), "--output_dir", str(tmp_path / "x"), "--label_dataset", "./nope"],
+                      tmp_path, dict(os.environ, HF_HUB_OFFLINE="1"))
     assert result.returncode != 0 and "does not exist (build it with tldr_dataset.py)" in result.stderr
 
     def fails(error, match, **overrides):

@@ -12,8 +12,8 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaForCausalLM
 
-from conftest import (accelerate_launcher, as_flags, assert_throughput, run_in_process, run_script, tiny_llama_config,
-                      run_until_signalled, signal_on_call, without_rates)
+from conftest import (accelerate_launcher, as_flags, assert_throughput, launched, run_in_process, run_script,
+                      run_until_signalled, signal_on_call, tiny_llama_config, without_rates)
 from summarize_from_feedback_details import packing, sft
 from summarize_from_feedback_details.infra import checkpoints, launch, lora, saving, tracking
 
@@ -585,9 +585,8 @@ def test_clear_errors(tiny_datasets, tokenizer_dir, tmp_path):
     """In this process (as the command line raises them), and once through the command line."""
     data_dir, _ = tiny_datasets
     sft_data = os.path.join(data_dir, "sft")
-    result = subprocess.run([sys.executable, SCRIPT, "--base_model", tokenizer_dir, "--query_dataset", "./nope",
-                             "--output_dir", str(tmp_path / "x")], capture_output=True, text=True, cwd=tmp_path,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    result = launched([sys.executable, SCRIPT, "--base_model", tokenizer_dir, "--query_dataset", "./nope",
+                       "--output_dir", str(tmp_path / "x")], tmp_path, dict(os.environ, HF_HUB_OFFLINE="1"))
     assert result.returncode != 0 and "does not exist (build it with tldr_dataset.py)" in result.stderr
 
     def fails(error, match, **overrides):

@@ -3,13 +3,11 @@ import contextlib
 import copy
 import dataclasses
 import filecmp
-import functools
 import io
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import warnings
 
@@ -17,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import tyro
-from conftest import FIXTURES, TINY_CNNDM_PARAMS, TINY_TLDR_PARAMS, side_by_side, tiny_dataset_args
+from conftest import FIXTURES, TINY_CNNDM_PARAMS, TINY_TLDR_PARAMS, launched, tiny_dataset_args
 from datasets import load_from_disk
 
 from summarize_from_feedback_details import tldr_dataset as td
@@ -691,14 +689,11 @@ def test_cli_runs_and_reports_bad_input(raw_dir, tokenizer_dir, tmp_path):
     bad_cmd = list(cmd)
     bad_cmd[cmd.index("--sft_dataset") + 1] = f"{bad}/tldr_sft"
     bad_cmd[cmd.index("--output_dir") + 1] = str(tmp_path / "cli2")
-    # the two runs side by side: each spends most of its time importing, on one core
-    runs = side_by_side(**{name: functools.partial(subprocess.run, command, capture_output=True, text=True, env=env,
-                                                   timeout=300) for name, command in (("good", cmd), ("bad", bad_cmd))})
-    result = runs["good"].result()
+    result = launched(cmd, tmp_path, env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "observed maximum lengths" in result.stdout
     assert sorted(os.listdir(tmp_path / "cli")) == ["dataset_visuals", "preference", "sft", "stats.json"]
-    result = runs["bad"].result()
+    result = launched(bad_cmd, tmp_path, env, timeout=300)
     assert result.returncode == 1
     assert f"error: {bad}/tldr_sft/train.jsonl: row 4 (line 5): column 'post': empty text" in result.stderr
     assert not os.path.exists(tmp_path / "cli2")
