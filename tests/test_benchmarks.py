@@ -14,6 +14,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from conftest import launched
 from transformers import GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,10 +54,17 @@ def smoke(tmp_path_factory):
         batch_size=4, query_length=16, response_length=8, eval_batch_size=1, updates=2, rounds=1, threads=1,
         matmul_size=256, out=str(folder / "out"), cache_dir=str(folder / "cache"),
     )
-    stdout = io.StringIO()
+    stdout, subprocess_run = io.StringIO(), subprocess.run
     threads = torch.get_num_threads()
+
+    def run(cmd, **kwargs):  # the multi-process rows' launches, forked (conftest.launched)
+        if kwargs.keys() == {"cwd", "env", "capture_output", "text"} and kwargs["capture_output"] and kwargs["text"]:
+            return launched(cmd, kwargs["cwd"], kwargs["env"])
+        return subprocess_run(cmd, **kwargs)
+
     try:
-        with contextlib.redirect_stdout(stdout):
+        with contextlib.redirect_stdout(stdout), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ppo_speed.subprocess, "run", run)
             results = ppo_speed.main(args)
     finally:
         torch.set_num_threads(threads)

@@ -67,7 +67,7 @@ def lines(text: str) -> list:
     return sorted(line for line in text.splitlines() if line.startswith("rank"))
 
 
-@pytest.mark.parametrize("exit_code", ["0", "3", "raise"])
+@pytest.mark.parametrize("exit_code", ["0", "raise"])
 def test_a_two_process_launch_runs_as_the_real_one_does(script, tmp_path, exit_code):
     cmd = accelerate_launcher(2) + [script, exit_code]
     real, forked, cpu = both(cmd, tmp_path, BURN_S="0.5")
