@@ -173,8 +173,9 @@ def serve(requests, replies):
                 if pid == 0:
                     os.setpgid(0, 0)
                     os.close(requests), os.close(replies)  # stdin stays /dev/null
-                    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-                        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+                    opened = {path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # one file: one offset
+                              for path in {request["stdout"], request["stderr"]}}
+                    os.dup2(opened[request["stdout"]], 1), os.dup2(opened[request["stderr"]], 2)
                     os.environ.clear()
                     os.environ.update(request["env"])
                     os.chdir(request["cwd"])
@@ -237,10 +238,11 @@ class Zygote:
                 return value
             time.sleep(0.02)
 
-    def start(self, cmd: list, cwd, env: dict) -> "ForkedProcess":
+    def start(self, cmd: list, cwd, env: dict, log: str = None) -> "ForkedProcess":
         with self.lock:
             request_id, self.next_id = self.next_id, self.next_id + 1
-            paths = {stream: os.path.join(self.outputs, f"{request_id}.{stream}") for stream in ("stdout", "stderr")}
+            paths = {stream: log or os.path.join(self.outputs, f"{request_id}.{stream}")
+                     for stream in ("stdout", "stderr")}
             self.process.stdin.write((json.dumps(dict(id=request_id, cmd=cmd, cwd=str(cwd), env=env, **paths))
                                       + "\n").encode())
             self.process.stdin.flush()
@@ -268,15 +270,23 @@ class ForkedProcess:
         if self.poll() is None:
             os.kill(self.pid, signum)
 
-    def communicate(self, timeout: float) -> tuple:
-        """(stdout, stderr) once it ended; past `timeout` its process group is killed and TimeoutExpired raised."""
-        deadline = time.monotonic() + timeout
+    def wait(self, timeout: float = None) -> int:
+        """Its exit status once it ended; TimeoutExpired past `timeout` (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
-            if time.monotonic() > deadline:
-                os.killpg(self.pid, signal.SIGKILL)
-                self.zygote.reply(self.request_id, "code", timeout=60)
+            if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(0.02)
+        return self.returncode
+
+    def communicate(self, timeout: float) -> tuple:
+        """(stdout, stderr) once it ended; past `timeout` its process group is killed and TimeoutExpired raised."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.pid, signal.SIGKILL)
+            self.wait()
+            raise
         outputs = []
         for path in self.paths.values():
             with open(path) as f:
@@ -294,14 +304,15 @@ def count_cpu_elsewhere(seconds: float):
 _zygote, _zygote_lock = None, threading.Lock()
 
 
-def start(cmd: list, cwd, env: dict) -> ForkedProcess:
+def start(cmd: list, cwd, env: dict, log: str = None) -> ForkedProcess:
     """subprocess.Popen(cmd, cwd=cwd, env=env, stdout=PIPE, stderr=PIPE, text=True) for a `launchable`
-    command, forked from this worker's zygote (started at the first launch)."""
+    command, forked from this worker's zygote (started at the first launch); with `log`, its stdout and
+    stderr go to that file instead (stdout=open(log, "w"), stderr=STDOUT), and communicate() is not for it."""
     global _zygote
     with _zygote_lock:
         if _zygote is None:
             _zygote = Zygote()
-    return _zygote.start(cmd, cwd, env)
+    return _zygote.start(cmd, cwd, env, log)
 
 
 def run(cmd: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:

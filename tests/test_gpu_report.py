@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import time
+import types
 
+import forked_launches
 import pytest
 from conftest import side_by_side
 
@@ -44,10 +46,19 @@ def test_the_gpu_plan_is_the_papers_per_gpu_share():
 
 
 @pytest.mark.slow
-def test_smoke_report_on_the_cpu(tmp_path):
+def test_smoke_report_on_the_cpu(tmp_path, monkeypatch):
     """Every step at tiny shapes, in two reports side by side (each step runs one thread: on the GPU they
     run one after another in one report)."""
     groups = {"benchmarks": ("speed", "trl"), "checks": ("test_gpu", "drift", "dpo_memory")}
+
+    def popen(command, stdout, stderr, cwd, start_new_session, env):  # the steps that are scripts, forked
+        if forked_launches.launchable(command) and stderr == subprocess.STDOUT and start_new_session:
+            return forked_launches.start(command, cwd, env, log=stdout.name)  # (its own process group)
+        return subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=start_new_session,
+                                env=env)
+
+    # gpu_report's own name for the module, so that nothing else's subprocess.Popen changes
+    monkeypatch.setattr(gpu_report, "subprocess", types.SimpleNamespace(**{**vars(subprocess), "Popen": popen}))
     runs = side_by_side(**{name: functools.partial(gpu_report.main, gpu_report.Args(
         out=str(tmp_path / name), smoke=True, steps=chosen)) for name, chosen in groups.items()})
     reports = {}
