@@ -211,7 +211,8 @@ def launched(cmd: list, cwd, env: dict, timeout: float = 600) -> subprocess.Comp
 
 
 def run_script(cmd: list, cwd, **env) -> subprocess.CompletedProcess:
-    """A stage script as a user launches it, offline; a failure shows the tail of its output."""
+    """A stage script as a user launches it (forked: `launched`), offline; a failure shows the tail of its
+    output."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", **env)
     if "--multi_gpu" in cmd:  # DDP over gloo on CPU (with DeepSpeed this variable would drop the plugin)
         env["ACCELERATE_USE_CPU"] = "1"

@@ -4,8 +4,9 @@ The suite runs on two cores and is bound by CPU, so a test's wall time (`--durat
 about what it costs: launches side by side overlap, and a test slows while the other worker's
 launches take its core. This counts what each phase of a test (set-up, call, tear-down) spent in
 CPU seconds: the worker's own (every thread of it) plus its finished child processes, whose own
-children (a launcher's ranks) are counted in them once waited for. It reports per test, per module
-and in all, also under pytest-xdist (the numbers travel with the test reports)."""
+children (a launcher's ranks) are counted in them once waited for, plus what the launches forked for
+it elsewhere cost (tests/forked_launches.py reports them through `count_elsewhere`). It reports per
+test, per module and in all, also under pytest-xdist (the numbers travel with the test reports)."""
 
 import resource
 import threading
