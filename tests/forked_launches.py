@@ -105,20 +105,21 @@ def torchrun_in_forks(torchrun_args):
     if world > 1 and "OMP_NUM_THREADS" not in os.environ:
         common["OMP_NUM_THREADS"] = "1"  # torchrun's default for several workers
     ranks, signalled = [], []
+    handled = [getattr(signal, name.strip()) for name in torchrun_args.signals_to_handle.split(",")]
 
     def forward(signum, frame):  # torchrun's agent passes on the signals it handles, then fails the launch
         signalled.append(signum)
         for pid in ranks:
             os.kill(pid, signum)
 
-    for name in torchrun_args.signals_to_handle.split(","):
-        signal.signal(getattr(signal, name.strip()), forward)
+    for signum in handled:
+        signal.signal(signum, forward)
     for rank in range(world):
         sys.stdout.flush(), sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            for name in torchrun_args.signals_to_handle.split(","):
-                signal.signal(getattr(signal, name.strip()), signal.SIG_DFL)
+            for signum in handled:
+                signal.signal(signum, signal.SIG_DFL)
             os.environ.update(common, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
             run_as_main([torchrun_args.training_script, *torchrun_args.training_script_args])
         ranks.append(pid)
