@@ -133,3 +133,14 @@ def test_only_this_interpreters_launches_are_forked(monkeypatch):
     assert not forked_launches.launchable(["bash", "hello_world.sh"])
     monkeypatch.setenv("REAL_LAUNCHES", "1")
     assert not forked_launches.launchable([accelerate, "launch", "--multi_gpu", "stage.py"])
+
+
+def test_deepspeed_runs_without_compiling_its_cpu_shared_memory_kernel(tmp_path):
+    """forked_launches.without_deepspeed_shm_kernel: a forked rank's DeepSpeed backend finds no kernel to
+    build (left as it was, the first call compiles it for about 100 CPU seconds and returns the module)."""
+    script = tmp_path / "shm.py"
+    script.write_text("import importlib\n"
+                      "print('kernel', importlib.import_module('deepspeed.comm.torch').build_shm_op())\n")
+    forked = forked_launches.run([sys.executable, str(script)], tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"},
+                                 timeout=60)
+    assert forked.returncode == 0 and "kernel None" in forked.stdout, forked.stderr
