@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import forked_launches
@@ -200,6 +201,12 @@ def accelerate_launcher(num_processes: int, config: str = None) -> list:
     if config:
         return base + ["--config_file", config, "--num_processes", str(num_processes)]
     return base + ["--multi_gpu", "--num_processes", str(num_processes)]
+
+
+def subprocess_with(**functions):
+    """A stand-in for one module's own `subprocess` name (monkeypatch.setattr(module, "subprocess", ...)):
+    the real module's contents with `functions` replaced, so that only that module's calls change."""
+    return types.SimpleNamespace(**{**vars(subprocess), **functions})
 
 
 def launched(cmd: list, cwd, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -10,12 +10,11 @@ import math
 import os
 import socket
 import subprocess
-import types
 
 import numpy as np
 import pytest
 import torch
-from conftest import launched
+from conftest import launched, subprocess_with
 from transformers import GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,9 +63,7 @@ def smoke(tmp_path_factory):
 
     try:
         with contextlib.redirect_stdout(stdout), pytest.MonkeyPatch.context() as patch:
-            # ppo_speed's own name for the module (its one call is the launch), so that nothing else's
-            # subprocess.run changes
-            patch.setattr(ppo_speed, "subprocess", types.SimpleNamespace(**{**vars(subprocess), "run": run}))
+            patch.setattr(ppo_speed, "subprocess", subprocess_with(run=run))  # (its one call is the launch)
             results = ppo_speed.main(args)
     finally:
         torch.set_num_threads(threads)
@@ -264,14 +261,14 @@ def test_a_run_killed_at_exit_is_run_once_more(tmp_path, monkeypatch):
     stage = ppo_speed.ppo.Args(run_name="r")
     console = ppo_speed.Console(file=io.StringIO(), width=400)
     calls, run = launcher(failures=1)
-    monkeypatch.setattr(ppo_speed.subprocess, "run", run)
+    monkeypatch.setattr(ppo_speed, "subprocess", subprocess_with(run=run))
     ppo_speed.run_ours_launched(stage, setting, str(tmp_path), "cpu", 2, console)
     assert len(calls) == 2 and "a rank was killed by a signal after the run's last update" in console.file.getvalue()
     # the second run starts from an empty run folder: its metrics are its own
     assert ppo_speed.logged_updates(str(tmp_path / "runs/r")) == 2
     for failures, logged in ((None, 2), (1, 1)):  # twice in a row; or before the last update: no rerun
         calls, run = launcher(failures, logged)
-        monkeypatch.setattr(ppo_speed.subprocess, "run", run)
+        monkeypatch.setattr(ppo_speed, "subprocess", subprocess_with(run=run))
         with pytest.raises(RuntimeError, match="exit status 1"):
             ppo_speed.run_ours_launched(stage, setting, str(tmp_path), "cpu", 2, console)
         assert len(calls) == (2 if failures is None else 1)

@@ -7,11 +7,10 @@ import os
 import subprocess
 import sys
 import time
-import types
 
 import forked_launches
 import pytest
-from conftest import side_by_side
+from conftest import side_by_side, subprocess_with
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "gpu_report.py")
@@ -57,8 +56,7 @@ def test_smoke_report_on_the_cpu(tmp_path, monkeypatch):
         return subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=start_new_session,
                                 env=env)
 
-    # gpu_report's own name for the module, so that nothing else's subprocess.Popen changes
-    monkeypatch.setattr(gpu_report, "subprocess", types.SimpleNamespace(**{**vars(subprocess), "Popen": popen}))
+    monkeypatch.setattr(gpu_report, "subprocess", subprocess_with(Popen=popen))
     runs = side_by_side(**{name: functools.partial(gpu_report.main, gpu_report.Args(
         out=str(tmp_path / name), smoke=True, steps=chosen)) for name, chosen in groups.items()})
     reports = {}

@@ -59,8 +59,7 @@ def pipeline(tmp_path_factory):
         gradient_accumulation_steps=1, local_eval_batch_size=100, response_length=32, response_only_loss=True,
         run_eval=True, run_name="sft", output_dir=paths["sft"]), root)
     # the reward models' normalisation reads 500 of the 6,000 SFT references (scoring all of them twice
-    # took 18 s per reward model, 1,000 of them 6 s more than 500; PPO, the control and the sign-flipped
-    # PPO passed or failed alike at each: the numbers at PPO_UPDATES)
+    # took 18 s per reward model, 1,000 about 6 s more than 500; the checks' numbers at 500: at PPO_UPDATES)
     references = os.path.join(root, "references")
     DatasetDict(train=load_from_disk(paths["query_dataset"])["train"].select(range(500))).save_to_disk(references)
     shutil.copy(os.path.join(paths["query_dataset"], TOKENIZER_RECORD), references)
