@@ -5,12 +5,12 @@ before and after the LM head ran at the response positions only, and with packin
     python benchmarks/dpo_memory.py --shape tiny-s --pairs 2 --query_length 16 --response_length 8   # CPU plumbing
 
 A random-init policy of `--shape` (benchmarks/ppo_speed.py's names) in bf16 on a GPU (the sbatch's
-DeepSpeed bf16 weights; fp32 on the CPU), `--pairs` chosen/rejected pairs of `--query_length` query
-tokens (left-padded by varied amounts) and responses of up to `--response_length` tokens with their
-response-label columns. Per setting, `dpo.pair_logprobs`'s work: one forward over chosen + rejected,
-the summed log-probs, their sum's backward.
+DeepSpeed bf16 weights; fp32 on the CPU), `--pairs` chosen/rejected pairs laid out as the data stage
+writes them: a query of up to `--query_length` tokens, a response of up to `--response_length`, then
+padding, with their response-label columns. Per setting, `dpo.pair_logprobs`'s work: one forward over
+chosen + rejected, the summed log-probs, their sum's backward.
 - `padded, all logits`: the code before issue 27 (`--no_packing`, the LM head at every position);
-- `padded, response logits`: `response_window`'s columns only;
+- `padded, response logits`: `response_window`'s columns of the left-aligned rows only;
 - `packed, response logits`: dpo.py's default now.
 Written to <out>/dpo_memory.csv. Peak memory is torch.cuda.max_memory_allocated above what was allocated before the step (the model's
 weights and gradients of an earlier step excluded: zeroed with set_to_none); on the CPU it is not
@@ -55,16 +55,21 @@ class Args:
 
 
 def pair_batch(args: Args, vocab: int) -> tuple:
-    """(chosen, rejected, chosen labels, rejected labels): queries left-padded to query_length, responses of
-    response_length / 2 to response_length tokens right-padded, labels pad outside the response."""
+    """(chosen, rejected, chosen labels, rejected labels) laid out as the data stage writes pair rows (the
+    paper's): a query of varied length (ppo_speed's queries without their left padding), then a response
+    of response_length / 2 to response_length tokens, then padding to query_length + response_length;
+    labels pad outside the response."""
     generator = np.random.default_rng(args.seed)
     rows, labels = [], []
+    width = args.query_length + args.response_length
     for _ in range(2 * args.pairs):
-        query = ppo_speed.left_padded_queries(1, args.query_length, vocab, generator)[0]
+        query = [t for t in ppo_speed.left_padded_queries(1, args.query_length, vocab, generator)[0]
+                 if t != ppo_speed.PAD_ID]
         length = int(generator.integers(max(1, args.response_length // 2), args.response_length + 1))
-        response = generator.integers(2, vocab, length).tolist() + [ppo_speed.PAD_ID] * (args.response_length - length)
-        rows.append(query + response)
-        labels.append([ppo_speed.PAD_ID] * args.query_length + response)
+        response = generator.integers(2, vocab, length).tolist()
+        padding = [ppo_speed.PAD_ID] * (width - len(query) - length)
+        rows.append(query + response + padding)
+        labels.append([ppo_speed.PAD_ID] * len(query) + response + padding)
     rows, labels = torch.tensor(rows), torch.tensor(labels)
     return rows[:args.pairs], rows[args.pairs:], labels[:args.pairs], labels[args.pairs:]
 

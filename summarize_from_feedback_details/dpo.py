@@ -293,13 +293,25 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor, pad_id: int) -
     return (token_logprobs * mask).sum(1)
 
 
+def left_aligned(input_ids: torch.Tensor, labels: torch.Tensor, pad_id: int) -> tuple:
+    """Each row's trailing padding moved to its front, in `input_ids` and `labels` alike. The pair rows
+    are the paper's query + response + padding, so each response starts at the column where its own
+    query ends; left-aligned, every response ends in the last column and `response_window` spans the
+    longest response (54 of 565 columns at the paper's lengths) instead of nearly the whole row. The
+    forward's positions count real tokens only, so the model sees the same sequences (to float noise)."""
+    width = input_ids.shape[1]
+    trailing = (input_ids != pad_id).flip(1).int().argmax(1)
+    source = (torch.arange(width, device=input_ids.device)[None] - trailing[:, None]) % width
+    return input_ids.gather(1, source), labels.gather(1, source)
+
+
 def pair_logprobs(model, chosen: torch.Tensor, rejected: torch.Tensor, chosen_labels: torch.Tensor,
                   rejected_labels: torch.Tensor, pad_id: int) -> tuple:
     """Summed response log-probs of the chosen and the rejected rows, in ONE forward pass
-    (concatenated along the batch), the LM head at the response positions only."""
-    labels = torch.cat([chosen_labels, rejected_labels])
+    (concatenated along the batch), the LM head at the response window only (`left_aligned`)."""
+    input_ids, labels = left_aligned(torch.cat([chosen, rejected]), torch.cat([chosen_labels, rejected_labels]), pad_id)
     keep = response_window(labels, pad_id)
-    logits = forward(model, torch.cat([chosen, rejected]), pad_id, logits_to_keep=keep)
+    logits = forward(model, input_ids, pad_id, logits_to_keep=keep)
     logprobs = sequence_logprobs(logits, labels[:, -keep:], pad_id)
     return logprobs[: len(chosen)], logprobs[len(chosen):]
 

@@ -46,6 +46,43 @@ def test_sequence_logprobs_count_the_response_with_its_eos_only():
     assert torch.allclose(dpo.sequence_logprobs(logits, labels, PAD), -loss_sums) and counts.tolist() == [2, 4]
 
 
+def test_left_aligned_moves_each_rows_trailing_padding_to_its_front():
+    ids = torch.tensor([[5, 6, 7, 8, PAD, PAD], [5, 6, 7, 8, 9, 3], [5, PAD, PAD, PAD, PAD, PAD]])
+    labels = torch.tensor([[PAD, PAD, 7, EOS, PAD, PAD], [PAD, PAD, PAD, 8, 9, EOS], [PAD] * 6])
+    aligned_ids, aligned_labels = dpo.left_aligned(ids, labels, PAD)
+    assert aligned_ids.tolist() == [[PAD, PAD, 5, 6, 7, 8], [5, 6, 7, 8, 9, 3], [PAD] * 5 + [5]]
+    assert aligned_labels.tolist() == [[PAD, PAD, PAD, PAD, 7, EOS], [PAD, PAD, PAD, 8, 9, EOS], [PAD] * 6]
+    assert dpo.response_window(labels, PAD) == 5 and dpo.response_window(aligned_labels, PAD) == 4
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_pair_logprobs_run_the_lm_head_on_the_responses_only_and_equal_the_whole_rows(tiny_datasets, models_dir,
+                                                                                      packed):
+    """The tiny preference rows (query + response + padding, as the paper's) give the log-probs of
+    the plain forward over whole rows, while the LM head reads the longest response's window only."""
+    from summarize_from_feedback_details import packing
+
+    rows = load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"].with_format("torch")[:8]
+    columns = [rows[c] for c in dpo.TRAIN_COLUMNS]
+    model = AutoModelForCausalLM.from_pretrained(sft_model(models_dir)).eval()
+    packing.enable(packed, model)
+    head_rows = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda module, args, output: head_rows.append(args[0].shape[:2]))
+    with torch.no_grad():
+        chosen, rejected = dpo.pair_logprobs(model, *columns, PAD)
+    hook.remove()
+    packing.enable(False, model)
+    with torch.no_grad():
+        expected = [dpo.sequence_logprobs(dpo.forward(model, ids, PAD), labels, PAD)
+                    for ids, labels in ((columns[0], columns[2]), (columns[1], columns[3]))]
+    assert torch.allclose(chosen, expected[0], rtol=1e-5) and torch.allclose(rejected, expected[1], rtol=1e-5)
+    window = int(max((c != PAD).sum(1).max() for c in columns[2:])) + 1  # the longest response and one
+    lengths = torch.cat([(c != PAD).sum(1) for c in columns[:2]])
+    assert window < lengths.min()  # (every row is longer: all of its window is real tokens)
+    # packed: the real tokens of each row's last `window` columns; padded: every row's `window` columns
+    assert head_rows[0] == ((1, window * 16) if packed else (16, window)), (head_rows, window)
+
+
 def test_response_label_columns_mask_the_query_and_padding(tiny_datasets, tokenizer):
     """In the tiny preference data the label column keeps exactly the response tokens: the row's
     tokens after the query, ending with the EOS, then padding."""
