@@ -683,7 +683,7 @@ def plot_lengths(dd: DatasetDict, columns: tuple, limits: dict, title: str, path
     for ax, name in zip(axes.flat, columns):
         for split, ds in dd.items():
             if len(ds):
-                ax.hist(column(ds, name), bins=40, alpha=0.55, label=f"{split} (n={len(ds)})")
+                ax.hist(column(ds, name), bins=40, histtype="stepfilled", alpha=0.55, label=f"{split} (n={len(ds)})")
         for limit_name, limit in limits.get(name, []):
             ax.axvline(limit, color="black", linestyle="--", linewidth=1)
             ax.annotate(limit_name, (limit, ax.get_ylim()[1] * 0.95), rotation=90, ha="right", va="top", fontsize=7)
