@@ -67,7 +67,8 @@ def test_pair_logprobs_run_the_lm_head_on_the_responses_only_and_equal_the_whole
     model = AutoModelForCausalLM.from_pretrained(sft_model(models_dir)).eval()
     packing.enable(packed, model)
     head_rows = []
-    hook = model.get_output_embeddings().register_forward_hook(lambda module, args, output: head_rows.append(args[0].shape[:2]))
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, output: head_rows.append(args[0].shape[:2]))
     with torch.no_grad():
         chosen, rejected = dpo.pair_logprobs(model, *columns, PAD)
     hook.remove()
