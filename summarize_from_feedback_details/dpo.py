@@ -300,7 +300,7 @@ def left_aligned(input_ids: torch.Tensor, labels: torch.Tensor, pad_id: int) -> 
     longest response (54 of 565 columns at the paper's lengths) instead of nearly the whole row. The
     forward's positions count real tokens only, so the model sees the same sequences (to float noise)."""
     width = input_ids.shape[1]
-    trailing = (input_ids != pad_id).flip(1).int().argmax(1)
+    trailing = first_true_indices((input_ids != pad_id).flip(1))  # (an all-pad row: its width, no move)
     source = (torch.arange(width, device=input_ids.device)[None] - trailing[:, None]) % width
     return input_ids.gather(1, source), labels.gather(1, source)
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import (accelerate_launcher, as_flags, assert_throughput, launched, run_in_process, run_script,
                       run_until_signalled, signal_on_call, stop_and_copy, without_rates)
-from summarize_from_feedback_details import dpo, reward, sft
+from summarize_from_feedback_details import dpo, packing, reward, sft
 from summarize_from_feedback_details.infra import checkpoints
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids
@@ -60,8 +60,6 @@ def test_pair_logprobs_run_the_lm_head_on_the_responses_only_and_equal_the_whole
                                                                                       packed):
     """The tiny preference rows (query + response + padding, as the paper's) give the log-probs of
     the plain forward over whole rows, while the LM head reads the longest response's window only."""
-    from summarize_from_feedback_details import packing
-
     rows = load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"].with_format("torch")[:8]
     columns = [rows[c] for c in dpo.TRAIN_COLUMNS]
     model = AutoModelForCausalLM.from_pretrained(sft_model(models_dir)).eval()
