@@ -40,6 +40,20 @@ def small_synthetic_args(output_dir: str, seed: int = 1) -> synthetic_tldr.Args:
     )
 
 
+def first_rows(dataset: str, sizes: dict, output: str) -> None:
+    """The data stage's `dataset` with each split named in `sizes` cut to its first sizes[split] rows (the
+    others whole), saved to `output` with the dataset's tokenizer record."""
+    from datasets import DatasetDict, load_from_disk
+
+    from summarize_from_feedback_details.infra.loading import TOKENIZER_RECORD
+
+    data = load_from_disk(dataset)
+    DatasetDict({split: ds.select(range(sizes[split])) if split in sizes else ds for split, ds in data.items()}
+                ).save_to_disk(output)
+    if os.path.isfile(os.path.join(dataset, TOKENIZER_RECORD)):
+        shutil.copy(os.path.join(dataset, TOKENIZER_RECORD), output)
+
+
 def tiny_dataset_args(raw_dir: str, tokenizer_dir: str, output_dir: str, **overrides) -> tldr_dataset.Args:
     args = tldr_dataset.Args(
         base_model=tokenizer_dir,

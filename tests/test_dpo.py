@@ -6,12 +6,12 @@ import sys
 import pandas as pd
 import pytest
 import torch
-from datasets import DatasetDict, load_from_disk
+from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (accelerate_launcher, as_flags, assert_throughput, launched, run_in_process, run_script,
-                      run_until_signalled, signal_on_call, stop_and_copy, without_rates)
+from conftest import (accelerate_launcher, as_flags, assert_throughput, first_rows, launched, run_in_process,
+                      run_script, run_until_signalled, signal_on_call, stop_and_copy, without_rates)
 from summarize_from_feedback_details import dpo, packing, reward, sft
 from summarize_from_feedback_details.infra import checkpoints
 
@@ -284,9 +284,7 @@ def quick_eval_data(tiny_datasets, tmp_path_factory):
     queries to generate for. The same training, a quicker eval. (label_dataset, query_dataset)"""
     folder = tmp_path_factory.mktemp("dpo_quick_eval")
     for name, sizes in (("preference", {"validation": 20, "validation_cnndm": 10}), ("sft", {"validation": 8, "test": 8})):
-        data = load_from_disk(os.path.join(tiny_datasets[0], name))
-        DatasetDict({split: ds.select(range(sizes[split])) if split in sizes else ds for split, ds in data.items()}
-                    ).save_to_disk(str(folder / name))
+        first_rows(os.path.join(tiny_datasets[0], name), sizes, str(folder / name))
     return str(folder / "preference"), str(folder / "sft")
 
 

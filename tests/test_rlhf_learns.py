@@ -16,16 +16,13 @@ fail the first check: SIGN_FLIP_CHECK=1 runs it, and asserts that it does.
 """
 
 import os
-import shutil
 
 import pandas as pd
 import pytest
-from conftest import run_in_process, tiny_dataset_args
-from datasets import DatasetDict, load_from_disk
+from conftest import first_rows, run_in_process, tiny_dataset_args
 
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import reward, sft, synthetic_tldr, tiny_models, tldr_dataset, win_rates
-from summarize_from_feedback_details.infra.loading import TOKENIZER_RECORD
 
 SIZE = "m"
 # 8 updates rather than 10 to fit the suite (two PPO runs of 8 updates instead of 10); measured at seed 1 on a
@@ -45,15 +42,6 @@ PPO_UPDATES = 8
 SFT_ROWS, RM_PAIRS = 4000, 2000
 
 
-def first_rows(dataset: str, rows: int, output: str, splits: tuple = ()) -> None:
-    """The data stage's `dataset` (its `splits` only, if given) with its train split cut to its first
-    `rows` rows, and its tokenizer record."""
-    saved = load_from_disk(dataset)
-    DatasetDict({split: saved[split].select(range(rows)) if split == "train" else saved[split]
-                 for split in splits or saved}).save_to_disk(output)
-    shutil.copy(os.path.join(dataset, TOKENIZER_RECORD), output)
-
-
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """{"sft", "reward_model", "control_reward_model", "query_dataset", "base_model"}: the paths of one
@@ -69,7 +57,7 @@ def pipeline(tmp_path_factory):
     data = os.path.join(root, "tldr")
     tldr_dataset.main(tiny_dataset_args(raw, base, data, overwrite=True, num_proc=2))  # same output, half the time
     query_dataset = os.path.join(root, "sft_rows")
-    first_rows(os.path.join(data, "sft"), SFT_ROWS, query_dataset)
+    first_rows(os.path.join(data, "sft"), {"train": SFT_ROWS}, query_dataset)
     paths = {"workdir": root, "base_model": base, "query_dataset": query_dataset,
              "sft": os.path.join(root, "sft"), "reward_model": os.path.join(root, "reward_model"),
              "control_reward_model": os.path.join(root, "reward_model_control")}
@@ -81,7 +69,7 @@ def pipeline(tmp_path_factory):
     # the reward models' normalisation reads 500 of the SFT references (scoring all of them twice
     # took 18 s per reward model, 1,000 about 6 s more than 500; the checks' numbers at 500: at PPO_UPDATES)
     references = os.path.join(root, "references")
-    first_rows(query_dataset, 500, references, ("train",))
+    first_rows(query_dataset, {"train": 500}, references)
     for name, episodes in (("reward_model", None), ("control_reward_model", 0)):
         run_in_process(reward.main, reward.Args(
             base_model=base, sft_model_path=base, label_dataset=os.path.join(data, "preference"),
