@@ -104,6 +104,21 @@ def tiny_datasets(tmp_path_factory, raw_dir, tokenizer_dir):
     return out, stats
 
 
+# the two-process and resume tests of reward.py and dpo.py: two epochs of these pairs at a global batch of 30
+HALF_PAIRS = 150
+
+
+@pytest.fixture(scope="session")
+def half_pairs_datasets(tiny_datasets, tmp_path_factory):
+    """`tiny_datasets` with the first HALF_PAIRS of the 300 training pairs and the first 30 SFT references
+    (what a reward model's normalisation scores): two epochs in 10 updates instead of 20, the other
+    splits whole. (folder, stats)"""
+    out = tmp_path_factory.mktemp("half_pairs")
+    for name, sizes in (("preference", {"train": HALF_PAIRS}), ("sft", {"train": 30})):
+        first_rows(os.path.join(tiny_datasets[0], name), sizes, str(out / name))
+    return str(out), tiny_datasets[1]
+
+
 # The modules that cost the most, in the order they start: two pytest-xdist workers each take one
 # module at a time (make test), so the longest go first and the short ones fill in around them. By CPU
 # seconds on a fresh clone (--cpu-durations, bf667dd): 798, 225, 185, 176, 142, 100, then 98, 83, 69,

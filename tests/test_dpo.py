@@ -10,8 +10,8 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (accelerate_launcher, as_flags, assert_throughput, first_rows, launched, run_in_process,
-                      run_script, run_until_signalled, signal_on_call, stop_and_copy, without_rates)
+from conftest import (HALF_PAIRS, accelerate_launcher, as_flags, assert_throughput, first_rows, launched,
+                      run_in_process, run_script, run_until_signalled, signal_on_call, stop_and_copy, without_rates)
 from summarize_from_feedback_details import dpo, packing, reward, sft
 from summarize_from_feedback_details.infra import checkpoints
 
@@ -339,32 +339,32 @@ def launch_dpo(tiny_datasets, models_dir, tmp_path, name, *flags, launcher=()):
     return result.stdout, train, load_file(str(tmp_path / name / "model.safetensors")), pairs
 
 
-# two epochs of the 300 training pairs, global batch 30 (20 updates): one process (micro-batch 5 x
-# accumulation 6) or two (5 x 3 each); Adam eps 1: update ~ lr * gradient
+# two epochs of the first 150 training pairs (half_pairs_datasets), global batch 30 (10 updates): one
+# process (micro-batch 5 x accumulation 6) or two (5 x 3 each); Adam eps 1: update ~ lr * gradient
 PROCESSES = {n: dict(num_train_epochs=2, local_micro_batch_size=5, gradient_accumulation_steps=6 // n, lr=0.05, eps=1.0)
              for n in (1, 2)}
 TWO = as_flags(PROCESSES[2])
 
 
 @pytest.fixture(scope="module")
-def process_runs(tiny_datasets, models_dir, tmp_path_factory):
+def process_runs(half_pairs_datasets, models_dir, tmp_path_factory):
     """The uninterrupted runs on one process (in this process: nothing about its launch is tested, and
     this saves a process start) and on two (gloo, DDP): (folder, one, two), each (stdout (None for
     one), per-update metrics, weights, train_pairs)."""
     tmp_path = tmp_path_factory.mktemp("dpo_processes")
-    train, _, params = run_dpo(tiny_datasets, models_dir, str(tmp_path), "one", **PROCESSES[1])
+    train, _, params = run_dpo(half_pairs_datasets, models_dir, str(tmp_path), "one", **PROCESSES[1])
     one = None, train, params, pd.read_csv(tmp_path / "runs" / "one" / "train_pairs.csv")
-    two = launch_dpo(tiny_datasets, models_dir, tmp_path, "two", *TWO, launcher=accelerate_launcher(2))
+    two = launch_dpo(half_pairs_datasets, models_dir, tmp_path, "two", *TWO, launcher=accelerate_launcher(2))
     return tmp_path, one, two
 
 
 @pytest.mark.slow
-def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(process_runs, tiny_datasets):
+def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(process_runs, half_pairs_datasets):
     """One process and two see the same pairs in the same updates, every pair exactly once per
     epoch across both ranks, and give the same curves and weights."""
     _, (_, one, p_one, pairs_one), (out, two, p_two, pairs_two) = process_runs
-    n = len(load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"])
-    assert "world_size 2" in out and n == 300 and len(two) == 2 * n // 30
+    n = len(load_from_disk(os.path.join(half_pairs_datasets[0], "preference"))["train"])
+    assert "world_size 2" in out and n == HALF_PAIRS and len(two) == 2 * n // 30
     epochs = [pairs_two["row_index"][:n], pairs_two["row_index"][n:]]
     for epoch in epochs:
         assert sorted(epoch) == list(range(n))
@@ -377,7 +377,7 @@ def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(proce
 
 
 @pytest.mark.slow
-def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_dir):
+def test_resume_on_two_processes_and_on_one(process_runs, half_pairs_datasets, models_dir):
     """Two processes stopped by SIGUSR1 once the first update is logged: they checkpoint at the end
     of the update in progress and exit. Resumed on two processes: the uninterrupted two-process run
     bit for bit (metric lines, weights, train_pairs.csv). Resumed on one process from a copy of the
@@ -385,9 +385,9 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_
     the test above, with the same pairs in the same updates."""
     tmp_path, (_, one, p_one, pairs_one), (_, two, p_two, pairs_two) = process_runs
     launcher = accelerate_launcher(2)
-    checkpoint, moved = stop_and_copy(dpo_command(tiny_datasets, models_dir, tmp_path, "stopped", *TWO,
+    checkpoint, moved = stop_and_copy(dpo_command(half_pairs_datasets, models_dir, tmp_path, "stopped", *TWO,
                                                  launcher=launcher), tmp_path, "stopped", len(two))
-    out, _, p_resumed, pairs_resumed = launch_dpo(tiny_datasets, models_dir, tmp_path, "stopped", *TWO,
+    out, _, p_resumed, pairs_resumed = launch_dpo(half_pairs_datasets, models_dir, tmp_path, "stopped", *TWO,
                                                   "--resume", launcher=launcher)
     # (rich wraps the console at 80 columns, also inside a long path)
     assert "".join(f"resumed run stopped from {tmp_path / 'stopped' / 'checkpoints' / checkpoint}".split()) in \
@@ -395,8 +395,9 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_
     assert without_rates(read_metrics(str(tmp_path), "stopped")) == without_rates(read_metrics(str(tmp_path), "two"))
     assert_same_params(p_two, p_resumed, rtol=0, atol=0)
     assert pairs_resumed.equals(pairs_two)
-    on_one, _, p_on_one = run_dpo(tiny_datasets, models_dir, str(moved), "stopped", resume=True, **PROCESSES[1])
-    assert len(on_one) == len(one) == 20
+    on_one, _, p_on_one = run_dpo(half_pairs_datasets, models_dir, str(moved), "stopped", resume=True,
+                                  **PROCESSES[1])
+    assert len(on_one) == len(one) == 2 * HALF_PAIRS // 30
     assert curve(on_one) == pytest.approx(curve(one), rel=1e-5)
     assert curve(on_one, "train/rm/accuracy") == pytest.approx(curve(one, "train/rm/accuracy"), abs=1e-9)
     assert_same_params(p_one, p_on_one, rtol=1e-4, atol=1e-6)

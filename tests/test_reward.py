@@ -12,8 +12,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           GPT2ForSequenceClassification, GPTNeoXConfig, GPTNeoXForSequenceClassification,
                           LlamaForSequenceClassification)
 
-from conftest import (accelerate_launcher, as_flags, assert_throughput, first_rows, run_in_process, run_script,
-                      tiny_llama_config, run_until_signalled, signal_on_call, stop_and_copy, without_rates)
+from conftest import (HALF_PAIRS, accelerate_launcher, as_flags, assert_throughput, first_rows, run_in_process,
+                      run_script, tiny_llama_config, run_until_signalled, signal_on_call, stop_and_copy, without_rates)
 from summarize_from_feedback_details import reward, sft
 from summarize_from_feedback_details.infra import checkpoints, loading
 
@@ -462,31 +462,33 @@ def assert_same_params(a, b, rtol=1e-4, atol=1e-6):
         assert torch.allclose(a[key], b[key], rtol=rtol, atol=atol), (key, (a[key] - b[key]).abs().max())
 
 
-# two epochs of the 300 training pairs, global batch 30 (20 updates): one process (micro-batch 5 x
-# accumulation 6) or two (5 x 3 each). Adam eps 1 and no clipping make the update ~ lr * gradient
-# (see the micro-batch test), so a gradient averaged wrongly over ranks would show.
+# two epochs of the first 150 training pairs (half_pairs_datasets), global batch 30 (10 updates): one
+# process (micro-batch 5 x accumulation 6) or two (5 x 3 each). Adam eps 1 and no clipping make the
+# update ~ lr * gradient (see the micro-batch test), so a gradient averaged wrongly over ranks would show.
 PROCESSES = {n: dict(num_train_epochs=2, local_micro_batch_size=5, gradient_accumulation_steps=6 // n, lr=0.05, eps=1.0)
              for n in (1, 2)}
 TWO = as_flags(PROCESSES[2])
 
 
 @pytest.fixture(scope="module")
-def process_runs(tiny_datasets, models_dir, tmp_path_factory):
+def process_runs(half_pairs_datasets, models_dir, tmp_path_factory):
     """The uninterrupted runs on one process (in this process) and on two (gloo, DDP; rank 0 tracks to
     an offline wandb run): (folder, one, two), each (stdout, per-update metrics, weights, train_pairs)."""
     tmp_path = tmp_path_factory.mktemp("reward_processes")
-    one = reference_run(tiny_datasets, models_dir, tmp_path, "one", PROCESSES[1])
-    two = launch_reward(tiny_datasets, models_dir, tmp_path, "two", *TWO, "--track", launcher=accelerate_launcher(2))
+    one = reference_run(half_pairs_datasets, models_dir, tmp_path, "one", PROCESSES[1])
+    two = launch_reward(half_pairs_datasets, models_dir, tmp_path, "two", *TWO, "--track",
+                        launcher=accelerate_launcher(2))
     return tmp_path, one, two
 
 
 @pytest.mark.slow
-def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(process_runs, tiny_datasets, models_dir):
+def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(process_runs, half_pairs_datasets,
+                                                                            models_dir):
     """Each epoch covers every pair id exactly once across both ranks, in a fresh order, and the
     loss curve and weights match one process; the tolerances cover float summation order."""
     tmp_path, (_, one, p_one, pairs_one), (out, two, p_two, pairs_two) = process_runs
-    n = len(load_from_disk(os.path.join(tiny_datasets[0], "preference"))["train"])
-    assert "world_size 2" in out and n == 300
+    n = len(load_from_disk(os.path.join(half_pairs_datasets[0], "preference"))["train"])
+    assert "world_size 2" in out and n == HALF_PAIRS
     assert len(os.listdir(tmp_path / "wandb" / "latest-run")) > 0  # --track: one offline wandb run (rank 0)
     assert len([d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run")]) == 1
     assert len(two) == 2 * n // 30 and len(pairs_two) == 2 * n
@@ -503,14 +505,14 @@ def test_two_processes_see_every_pair_once_per_epoch_and_match_one_process(proce
     assert_same_params(p_one, p_two)
     # the paper's order, kept behind a flag: each rank shuffles with its own seed, so an epoch
     # repeats some pairs and misses others
-    _, _, _, paper = launch_reward(tiny_datasets, models_dir, tmp_path, "paper", *TWO,
+    _, _, _, paper = launch_reward(half_pairs_datasets, models_dir, tmp_path, "paper", *TWO,
                                    "--rank_dependent_shuffle", launcher=accelerate_launcher(2))
     first_epoch = set(paper["row_index"][:n])
     assert len(paper) == 2 * n and len(first_epoch) < 0.9 * n
 
 
 @pytest.mark.slow
-def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_dir):
+def test_resume_on_two_processes_and_on_one(process_runs, half_pairs_datasets, models_dir):
     """Two processes stopped by SIGUSR1 once the first update is logged: they checkpoint at the end
     of the update in progress and exit. Resumed on two processes: the uninterrupted two-process run
     bit for bit (metric lines, the normalisation's included; weights; train_pairs.csv; reference
@@ -519,9 +521,9 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_
     in the same updates."""
     tmp_path, (_, one, p_one, pairs_one), (_, two, p_two, pairs_two) = process_runs
     launcher = accelerate_launcher(2)
-    checkpoint, moved = stop_and_copy(reward_command(tiny_datasets, models_dir, tmp_path, "stopped", *TWO,
+    checkpoint, moved = stop_and_copy(reward_command(half_pairs_datasets, models_dir, tmp_path, "stopped", *TWO,
                                                     launcher=launcher), tmp_path, "stopped", len(two))
-    out, _, p_resumed, pairs_resumed = launch_reward(tiny_datasets, models_dir, tmp_path, "stopped", *TWO,
+    out, _, p_resumed, pairs_resumed = launch_reward(half_pairs_datasets, models_dir, tmp_path, "stopped", *TWO,
                                                      "--resume", launcher=launcher)
     # on one line, the path whole however long (rich wrapped it at 80 columns before)
     resumed = f"resumed run stopped from {tmp_path / 'stopped' / 'checkpoints' / checkpoint} at update "
@@ -530,9 +532,9 @@ def test_resume_on_two_processes_and_on_one(process_runs, tiny_datasets, models_
     assert_same_params(p_two, p_resumed, rtol=0, atol=0)
     assert pairs_resumed.equals(pairs_two)
     assert run_file(str(tmp_path), "stopped", "reference_rewards") == run_file(str(tmp_path), "two", "reference_rewards")
-    run_reward(tiny_datasets, models_dir, str(moved), "stopped", resume=True, **PROCESSES[1])
+    run_reward(half_pairs_datasets, models_dir, str(moved), "stopped", resume=True, **PROCESSES[1])
     on_one = [m for m in read_metrics(str(moved), "stopped") if "train/rm/loss" in m]
-    assert len(on_one) == len(one) == 20
+    assert len(on_one) == len(one) == 2 * HALF_PAIRS // 30
     assert curve(on_one) == pytest.approx(curve(one), rel=1e-5)
     assert curve(on_one, "train/rm/accuracy") == pytest.approx(curve(one, "train/rm/accuracy"), abs=1e-9)
     assert_same_params(p_one, saved_params(str(moved), "stopped"))
