@@ -65,6 +65,10 @@ class Args:
     """of the minimal pairs that state an optional fact, the share whose edit is drawn among the optional
     facts only (the others: among every fact stated), so that a reward model sees more durations,
     feelings and asks made wrong or left out; 0 draws nothing for it (the default data unchanged)"""
+    num_pretrain_posts: int = 0
+    """posts of their own random stream in pretrain/train.jsonl, each ending in its author's TL;DR that states
+    every fact: text for the base models to pretrain on besides the SFT posts (tiny_models --extra_corpus), as a
+    real base model has read posts with TL;DRs; 0 writes none (the other files are the same either way)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -678,6 +682,21 @@ def generate_sft_split(rng: random.Random, split: str, count: int, long_post_fra
     return rows
 
 
+def generate_pretrain_posts(rng: random.Random, count: int, long_post_fraction: float) -> list:
+    """Rows in the SFT schema whose post ends in "TL;DR:" and a summary stating every fact. Pretraining on
+    them is where a base model can learn to copy a post's facts into a summary before any fine-tuning, and a
+    larger model with its larger budget learns more of it (docs/scaling.md: tiny-l does, tiny-m does not)."""
+    rows = []
+    for i in range(count):
+        subreddit = rng.choice(sorted(SUBREDDITS))
+        facts = _sample_facts(rng, subreddit)
+        title, post = make_post(rng, facts, rng.random() < long_post_fraction)
+        summary = summarize(rng, facts, set(OPTIONAL_FACTS))
+        rows.append({"id": f"t3_pt{i:06d}", "subreddit": subreddit, "title": title,
+                     "post": f"{post}\n\nTL;DR: {summary}", "summary": summary})
+    return rows
+
+
 def generate_comparisons(rng: random.Random, split: str, count: int, news: bool, args: Args) -> list:
     policies, weights = zip(*POLICY_WEIGHTS.items())
     rows = []
@@ -811,6 +830,10 @@ def generate(args: Args) -> dict:
             _write_jsonl(os.path.join(tmp_dir, "tldr_sft", f"{split}.jsonl"), rows)
         for split, rows in comparisons.items():
             _write_jsonl(os.path.join(tmp_dir, "comparisons", f"{split}.jsonl"), rows)
+        if args.num_pretrain_posts:
+            os.makedirs(os.path.join(tmp_dir, "pretrain"))
+            _write_jsonl(os.path.join(tmp_dir, "pretrain", "train.jsonl"), generate_pretrain_posts(
+                rng_for("pretrain"), args.num_pretrain_posts, args.long_post_fraction))
         with open(os.path.join(tmp_dir, "label_stats.json"), "w") as f:
             json.dump(stats, f, indent=2, sort_keys=True)
     return stats
@@ -824,7 +847,8 @@ def main(args: Args) -> None:
               f"longer summary chosen {s['longer_summary_chosen_rate']:.3f}")
     print("policy gold win rates (validation):", stats["validation"]["policy_gold_win_rate"])
     print("mean gold score of SFT references:", stats["sft_reference_mean_gold_score"])
-    print(f"wrote {args.output_dir}/tldr_sft and {args.output_dir}/comparisons", file=sys.stderr)
+    pretrain = f" and {args.output_dir}/pretrain" if args.num_pretrain_posts else ""
+    print(f"wrote {args.output_dir}/tldr_sft, {args.output_dir}/comparisons{pretrain}", file=sys.stderr)
 
 
 if __name__ == "__main__":

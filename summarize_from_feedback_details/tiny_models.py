@@ -78,6 +78,9 @@ class Args:
     pretrain_steps: Optional[int] = None
     """the same number of causal-LM steps for every size instead (0: random init); None: the budget
     of pretrain_tokens_per_parameter"""
+    extra_corpus: Optional[str] = None
+    """more rows in --corpus's schema that the tokenizer and the pretraining read after --corpus's
+    (synthetic_tldr --num_pretrain_posts writes pretrain/train.jsonl: posts that end in a TL;DR)"""
     heldout_corpus: Optional[str] = None
     """posts the pretraining never sees, for each model's held-out loss in models.json; None:
     `validation.jsonl` next to --corpus (skipped when there is none)"""
@@ -89,9 +92,11 @@ class Args:
     """AdamW learning rate of the pretraining, cosine-decayed to 0 over its steps"""
 
 
-def corpus_texts(path: str) -> list:
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+def corpus_texts(*paths: str) -> list:
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
     return [f"{r['title']}\n\n{r['post']}" for r in rows] + [" " + r["summary"] for r in rows]
 
 
@@ -222,11 +227,16 @@ def heldout_loss(model, windows: torch.Tensor) -> float:
 def recipe(args: Args) -> dict:
     """What decides a size's weights and the shared tokenizer: the Args but the output folder, and the
     corpus by its content (a regenerated corpus trains another tokenizer under the same path)."""
-    with open(args.corpus, "rb") as f:
-        corpus_sha256 = hashlib.sha256(f.read()).hexdigest()
-    # (the default arch is left out: folders built before --arch existed keep their recipe)
-    return {k: v for k, v in vars(args).items()
-            if k not in ("output_dir", "sizes") and (k, v) != ("arch", "gpt_neox")} | {"corpus_sha256": corpus_sha256}
+    def sha256(path: str) -> str:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    # (the defaults of arch and extra_corpus are left out: folders built before they existed keep their recipe)
+    wanted = {k: v for k, v in vars(args).items()
+              if k not in ("output_dir", "sizes") and (k, v) not in (("arch", "gpt_neox"), ("extra_corpus", None))}
+    if args.extra_corpus:
+        wanted["extra_corpus_sha256"] = sha256(args.extra_corpus)
+    return wanted | {"corpus_sha256": sha256(args.corpus)}
 
 
 def built_before(output_dir: str, wanted: dict) -> dict:
@@ -257,7 +267,7 @@ def build(args: Args) -> dict:
     os.makedirs(args.output_dir, exist_ok=True)
     random.seed(args.seed)
     np.random.seed(args.seed)
-    texts = corpus_texts(args.corpus)
+    texts = corpus_texts(args.corpus, *([args.extra_corpus] if args.extra_corpus else []))
     tokenizer = train_tokenizer(texts, args.vocab_size, args.arch)
     vocab_size = len(tokenizer)
     token_stream = post_stream(texts, tokenizer)

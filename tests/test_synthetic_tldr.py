@@ -1,3 +1,4 @@
+import dataclasses
 import filecmp
 import json
 import os
@@ -353,3 +354,27 @@ def test_optional_fact_focus_edits_the_optional_facts():
     focused, default = edited_slots(1.0), edited_slots(0.0)
     assert focused and set(focused) == set(st.OPTIONAL_FACTS)
     assert {"relation", "problem"} <= set(default)
+
+
+def test_pretrain_posts_end_in_a_tldr_that_states_every_fact(tmp_path):
+    """--num_pretrain_posts writes pretrain/train.jsonl (posts whose author's TL;DR states every fact right)
+    from a random stream of its own: every other file is what the generator writes without it."""
+    with_posts, without = str(tmp_path / "with"), str(tmp_path / "without")
+    st.generate(dataclasses.replace(small_synthetic_args(with_posts), num_pretrain_posts=40))
+    st.generate(small_synthetic_args(without))
+    files = ["tldr_sft/train.jsonl", "tldr_sft/validation.jsonl", "tldr_sft/test.jsonl",
+             "comparisons/train.jsonl", "comparisons/validation.jsonl"]
+    match, mismatch, errors = filecmp.cmpfiles(with_posts, without, files, shallow=False)
+    assert match == files, (mismatch, errors)
+    assert not os.path.exists(os.path.join(without, "pretrain"))
+    with open(os.path.join(with_posts, "pretrain", "train.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 40 and len({r["post"] for r in rows}) == 40
+    with open(os.path.join(with_posts, "tldr_sft", "train.jsonl")) as f:
+        sft_posts = {json.loads(line)["post"] for line in f}
+    for row in rows:
+        post, tldr = row["post"].split("\n\nTL;DR: ")
+        assert tldr == row["summary"] and post not in sft_posts
+        truth, said = st.extract_facts(post), st.extract_facts(tldr)
+        for slot in st.SCORE_WEIGHTS:  # every fact stated once, and right
+            assert len(said[slot]) == 1 and set(said[slot]) <= set(truth[slot]), (slot, post, tldr)

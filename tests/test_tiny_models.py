@@ -1,12 +1,14 @@
 import filecmp
+import hashlib
 import json
 import os
+import random
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from summarize_from_feedback_details import tiny_models
+from summarize_from_feedback_details import synthetic_tldr, tiny_models
 
 
 def test_tokenizer_has_a_dedicated_pad_token(tokenizer_dir):
@@ -138,3 +140,30 @@ def test_a_size_joins_those_built_with_the_same_recipe(raw_dir, tmp_path):
     with open(out / "models.json") as f:
         recorded = json.load(f)
     assert list(recorded["models"]) == ["pythia-tiny-m"] and recorded["recipe"]["pretrain_steps"] == 3
+
+
+def test_extra_corpus_is_pretrained_on_and_in_the_recipe(raw_dir, tmp_path):
+    """--extra_corpus: its posts (TL;DRs included) follow the corpus's in the pretraining stream and its
+    summaries join the tokenizer's texts; its content is part of the recipe, and a build without it
+    records the recipe it always did (no extra_corpus key), so folders built before it are kept."""
+    extra = tmp_path / "pretrain.jsonl"
+    rows = synthetic_tldr.generate_pretrain_posts(random.Random(0), 12, 0.0)
+    extra.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    corpus = os.path.join(raw_dir, "tldr_sft", "train.jsonl")
+    alone, both = tiny_models.corpus_texts(corpus), tiny_models.corpus_texts(corpus, str(extra))
+    posts = len(alone) // 2
+    assert both[:posts] == alone[:posts] and both[posts:posts + 12] == [f"{r['title']}\n\n{r['post']}" for r in rows]
+    assert both[posts + 12:] == alone[posts:] + [" " + r["summary"] for r in rows]
+    build(raw_dir, tmp_path / "plain", pretrain_steps=0)
+    build(raw_dir, tmp_path / "extra", pretrain_steps=0, extra_corpus=str(extra))
+    recipes = {}
+    for name in ("plain", "extra"):
+        with open(tmp_path / name / "models.json") as f:
+            recipes[name] = json.load(f)["recipe"]
+    assert "extra_corpus" not in recipes["plain"] and "extra_corpus_sha256" not in recipes["plain"]
+    assert recipes["extra"]["extra_corpus_sha256"] == hashlib.sha256(extra.read_bytes()).hexdigest()
+    assert {k: v for k, v in recipes["extra"].items() if not k.startswith("extra_corpus")} == recipes["plain"]
+    # the pretraining reads the extra posts: the stream grows by exactly their tokens
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "extra" / "pythia-tiny-s")
+    grown = len(tiny_models.post_stream(both, tokenizer)) - len(tiny_models.post_stream(alone, tokenizer))
+    assert grown == sum(len(tokenizer(f"{r['title']}\n\n{r['post']}")["input_ids"]) + 1 for r in rows)
