@@ -226,7 +226,8 @@ def heldout_loss(model, windows: torch.Tensor) -> float:
 
 def recipe(args: Args) -> dict:
     """What decides a size's weights and the shared tokenizer: the Args but the output folder, and the
-    corpus by its content (a regenerated corpus trains another tokenizer under the same path)."""
+    corpus and any extra corpus by their content (a regenerated corpus trains another tokenizer under the
+    same path)."""
     def sha256(path: str) -> str:
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
