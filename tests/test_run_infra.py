@@ -718,3 +718,12 @@ def test_early_warnings_fire_once_at_the_first_crossing_and_survive_a_resume():
                          (["length_change=0"], "a fraction above 0")):
         with pytest.raises(ValueError, match=message):
             tracking.parse_warnings(bad)
+
+
+def test_early_warning_fires_when_the_first_value_is_zero():
+    """A KL of exactly 0.0 at the first update (as a CPU can give) is a valid first value: the KL warning
+    still fires above its threshold later, and nothing divides by it."""
+    warnings = tracking.EarlyWarnings({"kl": 0.5, "length_change": 0.2})
+    assert warnings.check({"objective/kl": 0.0, "ppo/val/response_length": 0.0}, 1) == []
+    fired = warnings.check({"objective/kl": 0.7, "ppo/val/response_length": 5.0}, 2)
+    assert fired == ["early warning at update 2: objective/kl 0.7 above 0.5 (--warn kl=0.5)"]
