@@ -666,12 +666,18 @@ def _label(rng: random.Random, score_a: float, score_b: float, temperature: floa
     return choice, min(9, max(1, confidence))
 
 
+def _draw_post(rng: random.Random, long_post_fraction: float) -> tuple:
+    """(subreddit, facts, title, post) of one post, drawn in the order the SFT splits always drew them."""
+    subreddit = rng.choice(sorted(SUBREDDITS))
+    facts = _sample_facts(rng, subreddit)
+    title, post = make_post(rng, facts, rng.random() < long_post_fraction)
+    return subreddit, facts, title, post
+
+
 def generate_sft_split(rng: random.Random, split: str, count: int, long_post_fraction: float) -> list:
     rows = []
     for i in range(count):
-        subreddit = rng.choice(sorted(SUBREDDITS))
-        facts = _sample_facts(rng, subreddit)
-        title, post = make_post(rng, facts, rng.random() < long_post_fraction)
+        subreddit, facts, title, post = _draw_post(rng, long_post_fraction)
         rows.append({
             "id": f"t3_{split[:2]}{i:06d}",
             "subreddit": subreddit,
@@ -688,9 +694,7 @@ def generate_pretrain_posts(rng: random.Random, count: int, long_post_fraction: 
     larger model with its larger budget learns more of it (docs/scaling.md: tiny-l does, tiny-m does not)."""
     rows = []
     for i in range(count):
-        subreddit = rng.choice(sorted(SUBREDDITS))
-        facts = _sample_facts(rng, subreddit)
-        title, post = make_post(rng, facts, rng.random() < long_post_fraction)
+        subreddit, facts, title, post = _draw_post(rng, long_post_fraction)
         summary = summarize(rng, facts, set(OPTIONAL_FACTS))
         rows.append({"id": f"t3_pt{i:06d}", "subreddit": subreddit, "title": title,
                      "post": f"{post}\n\nTL;DR: {summary}", "summary": summary})
