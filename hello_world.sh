@@ -235,15 +235,19 @@ run_online_methods() {
 
 if [[ $TINY == 1 ]]; then
     run_stage "synthetic TL;DR data" $RAW_DIR \
-        $PY -m summarize_from_feedback_details.synthetic_tldr --output_dir $RAW_DIR --seed 1
+        $PY -m summarize_from_feedback_details.synthetic_tldr --output_dir $RAW_DIR --seed 1 --num_pretrain_posts 6000
     # the size MODEL names; with --data every size (what scaling.sh, compare.sh and the sbatch chain
-    # read). All sizes share one tokenizer; a size built before is kept (tiny_models.build).
+    # read). All sizes share one tokenizer; a size built before is kept (tiny_models.build). The base
+    # models also read 6,000 posts that end in their author's TL;DR, as real base models have: tiny-l
+    # then copies every fact of a post into a summary before fine-tuning, tiny-m not the feeling
+    # and the duration (the size effect of docs/scaling.md).
     sizes=("${MODEL##*/$TINY_PREFIX-tiny-}")
     if [[ $DATA_ONLY == 1 ]]; then sizes=(s m l); fi
     for size in ${sizes[@]+"${sizes[@]}"}; do
         run_stage "tiny base model $TINY_PREFIX-tiny-$size" $BASE_MODELS_DIR/$TINY_PREFIX-tiny-$size \
             $PY -m summarize_from_feedback_details.tiny_models --corpus $RAW_DIR/tldr_sft/train.jsonl \
-                --output_dir $BASE_MODELS_DIR --sizes "$size" --seed 1 --arch "$ARCH"
+                --extra_corpus $RAW_DIR/pretrain/train.jsonl --output_dir $BASE_MODELS_DIR --sizes "$size" \
+                --seed 1 --arch "$ARCH"
     done
     run_stage "tldr_dataset.py" $DATASET_DIR \
         $PY summarize_from_feedback_details/tldr_dataset.py --base_model "$MODEL" \

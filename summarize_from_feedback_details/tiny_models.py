@@ -71,10 +71,11 @@ class Args:
     """size of the BPE vocabulary trained on the corpus, its special tokens ([PAD], EOS) included"""
     seed: int = 1
     """seed of every model's initialisation and of the pretraining batches"""
-    pretrain_tokens_per_parameter: float = 1.5
+    pretrain_tokens_per_parameter: float = 3.0
     """the pretraining budget of each size: this many tokens per parameter (Chinchilla-style budgets
     grow with size; 20 would be compute-optimal, far beyond a CPU minute). With one budget for all,
-    the larger sizes were no better than tiny-m (docs/scaling.md)"""
+    the larger sizes were no better than tiny-m; at 1.5 with the --extra_corpus of TL;DR posts,
+    tiny-m's SFT lost the relation (docs/scaling.md)"""
     pretrain_steps: Optional[int] = None
     """the same number of causal-LM steps for every size instead (0: random init); None: the budget
     of pretrain_tokens_per_parameter"""

@@ -173,6 +173,10 @@ def test_finished_stages_are_skipped_and_force_reruns(checkout):
     # the base model of the size it uses, nothing more (scaling.sh adds the others)
     (base,) = [c for c in first if "summarize_from_feedback_details.tiny_models" in c]
     assert flag(base, "--sizes") == "m" and flag(base, "--output_dir") == "models/tiny"
+    # the base model also reads the data stage's posts that end in a TL;DR (docs/scaling.md)
+    (data,) = [c for c in first if "summarize_from_feedback_details.synthetic_tldr" in c]
+    assert flag(data, "--num_pretrain_posts") == "6000"
+    assert flag(base, "--extra_corpus") == "data/raw/pretrain/train.jsonl"
     # DPO takes one pass over 6000 of the preference pairs, whatever their number
     assert flag(dpo_call, "--total_episodes") == "6000"
     # plots of this run's folders only, with the gold judge

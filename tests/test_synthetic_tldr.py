@@ -106,20 +106,20 @@ def test_gold_judge_known_answers():
     post = ("I (25F) have lived with my roommate (27M) for 3 years. We met at the gym a while ago.\n\n"
             "Lately they has not paid rent in months. I am so angry right now.\n\nShould I just move out?")
     perfect = " my roommate of 3 years has not paid rent, I feel angry. should I move out?"
-    assert st.gold_score(post, perfect) == pytest.approx(4.5)
+    assert st.gold_score(post, perfect) == pytest.approx(5.5)
     # missing facts: only relation and problem
     assert st.gold_score(post, " roommate owes rent.") == pytest.approx(2.5)
     # a wrong number costs the duration credit and a wrong-fact penalty
-    assert st.gold_score(post, perfect.replace("3 years", "5 years")) == pytest.approx(4.5 - 0.6 - 1.5)
+    assert st.gold_score(post, perfect.replace("3 years", "5 years")) == pytest.approx(5.5 - 1.0 - 1.5)
     # an irrelevant detail costs the filler penalty
-    assert st.gold_score(post, perfect + " we met at the gym.") == pytest.approx(4.5 - 0.6)
+    assert st.gold_score(post, perfect + " we met at the gym.") == pytest.approx(5.5 - 0.6)
     # an unfinished summary
     assert st.gold_score(post, " my roommate of 3 years has not paid rent, I feel") == pytest.approx(
-        1.0 + 1.5 + 0.6 - 0.5)
+        1.0 + 1.5 + 1.0 - 0.5)
     # garbled words
-    assert st.gold_score(post, perfect.replace("roommate", "roomxate")) == pytest.approx(4.5 - 1.0 - 0.4)
+    assert st.gold_score(post, perfect.replace("roommate", "roomxate")) == pytest.approx(5.5 - 1.0 - 0.4)
     # the EOS text does not count as a word
-    assert st.gold_score(post, perfect + "<|endoftext|>") == pytest.approx(4.5)
+    assert st.gold_score(post, perfect + "<|endoftext|>") == pytest.approx(5.5)
     assert st.gold_score(post, "") < 0
     assert st.gold_preference(post, perfect, " roommate owes rent.") == 1.0
     assert st.gold_preference(post, " roommate owes rent.", perfect) == 0.0
@@ -143,7 +143,7 @@ def test_gold_validation_metrics_only_on_synthetic_posts(raw_dir):
     table = [{"query": post, "postprocessed_response": perfect, "reference_responses": poor},
              {"query": post, "postprocessed_response": poor, "reference_responses": poor}]
     assert st.gold_validation_metrics(table) == pytest.approx(
-        {"eval/gold/score": (4.5 + 2.5) / 2, "eval/gold/win_rate": (1.0 + 0.5) / 2, "eval/gold/reference_score": 2.5})
+        {"eval/gold/score": (5.5 + 2.5) / 2, "eval/gold/win_rate": (1.0 + 0.5) / 2, "eval/gold/reference_score": 2.5})
     real = [{"query": "My landlord objects to the kitten I adopted.", "postprocessed_response": "x",
              "reference_responses": "y"}]
     assert st.gold_validation_metrics(table + real) == {} and st.gold_validation_metrics([]) == {}
@@ -210,7 +210,7 @@ def test_reference_is_good_but_beatable():
             scores[policy].append(st.gold_score(post, " " + st.policy_summary(rng, policy, facts, reference)))
     mean = {p: sum(v) / len(v) for p, v in scores.items()}
     assert mean["sup_terse"] < mean["ref"] < mean["sup_full"]
-    assert mean["sup_full"] == pytest.approx(4.5)  # the best summaries reach the maximum score
+    assert mean["sup_full"] == pytest.approx(5.5)  # the best summaries reach the maximum score
     assert mean["ref"] > 3.0
 
 

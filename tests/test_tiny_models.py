@@ -91,8 +91,8 @@ def test_pretraining_budget_grows_with_size(raw_dir, tmp_path):
     """Tokens proportional to parameters (docs/scaling.md): steps = ceil(tokens per
     parameter x parameters / (batch x sequence length)); pretrain_steps overrides it for every size."""
     args = tiny_models.Args()
-    assert tiny_models.pretrain_steps(231_168, args) == 170  # 1.5 x 231168 / (16 x 128) = 169.3
-    assert tiny_models.pretrain_steps(1_728_192, args) == 1266
+    assert tiny_models.pretrain_steps(231_168, args) == 339  # 3 x 231168 / (16 x 128) = 338.6
+    assert tiny_models.pretrain_steps(1_728_192, args) == 2532
     assert tiny_models.pretrain_steps(1_728_192, tiny_models.Args(pretrain_steps=7)) == 7
     args = tiny_models.Args(corpus=os.path.join(raw_dir, "tldr_sft", "train.jsonl"), output_dir=str(tmp_path / "x"),
                             sizes=["s", "m"], pretrain_tokens_per_parameter=0.02)
