@@ -4,7 +4,7 @@
 # hardware is here.
 #
 #   ./hello_world.sh           the embedded default (synthetic TL;DR data, tiny Pythia-architecture
-#                              models) on a CPU in about 15 minutes; sets up .venv first if needed
+#                              models) on a CPU in under 20 minutes; sets up .venv first if needed
 #   ./hello_world.sh --force   rerun every stage (otherwise a stage whose output exists is skipped)
 #   ./hello_world.sh --data    only the embedded default's data, base models (every size) and
 #                              tokenized datasets (what the sweeps and the sbatch files' TINY=1 mode read)

@@ -937,6 +937,7 @@ CLIPFRAC_ABS = 0.01
 # ZeRO-2 with --offload gave -1.19e-6 where one process gave 8.3e-7; a real fault (the reference
 # misloaded, a mask off by one) moves it by 1e-2 or more.
 KL_ABS = 1e-5
+RUN_TOLERANCE = dict(rel=RUN_REL, abs_=RUN_ABS, clipfrac_abs=CLIPFRAC_ABS, kl_abs=KL_ABS)
 
 
 @pytest.fixture(scope="module")
@@ -967,7 +968,7 @@ def test_two_processes_match_one_process(one_process, two_processes):
     _, metrics, params, _ = one_process
     stdout, two, two_params = two_processes
     assert "world_size 2" in stdout and len(two) == 4
-    assert_same_metrics(metrics, two, RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS, kl_abs=KL_ABS)
+    assert_same_metrics(metrics, two, **RUN_TOLERANCE)
     assert_same_params(params, two_params, rtol=1e-4, atol=1e-6)
 
 
@@ -992,7 +993,7 @@ def test_two_minibatches_on_two_processes_match_one_process(tiny_datasets, check
         torch.set_num_threads(threads)
     stdout, two = launched.result()
     assert "x nminibatches 2 = batch_size 8 episodes (minibatch 4)" in " ".join(stdout.split()) and len(two) == 2
-    assert_same_metrics(one, two, RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS, kl_abs=KL_ABS)
+    assert_same_metrics(one, two, **RUN_TOLERANCE)
     # float noise of the two processes' gradient sums, through Adam's 1 / sqrt(v) of rarely seen
     # embedding rows: on an AMD EPYC one embedding entry ends 2.7e-6 apart (atol 1e-6 passed on the
     # machines before it), where the run moved the weights by up to 9e-3
@@ -1023,7 +1024,7 @@ def test_deepspeed_matches_one_process(one_process, launched, offload):
         assert stdout.count("DeepSpeed ZeRO-3 engine, torch.float32, parameter offload cpu, 0 of") == 2, stdout[-2000:]
     else:
         assert stdout.count("DeepSpeed ZeRO-0 engine, torch.float32, parameter offload none") == 2, stdout[-2000:]
-    assert_same_metrics(metrics, ds, RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS, kl_abs=KL_ABS)
+    assert_same_metrics(metrics, ds, **RUN_TOLERANCE)
     assert_same_params(params, ds_params, rtol=1e-4, atol=1e-6)
 
 
@@ -1212,7 +1213,7 @@ def test_resume_on_two_processes_and_on_one(one_process, two_processes, one_thre
     assert len(samples) == 4 and run_files(workdir, "stopped", "samples_*.csv") == samples
 
     assert without_rates(on_one[:update]) == without_rates(two[:update])  # (the lines kept from the stop)
-    assert_same_metrics(one, on_one, RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS, kl_abs=KL_ABS)
+    assert_same_metrics(one, on_one, **RUN_TOLERANCE)
     assert_same_params(p_one, load_file(os.path.join(moved, "stopped", "model.safetensors")), rtol=1e-4, atol=1e-6)
 
 
@@ -1326,7 +1327,7 @@ def test_lora_first_ratio_is_one_and_the_reference_exact(lora_runs):
 def test_lora_micro_batch_processes_and_zero2_give_the_same_update(lora_runs):
     _, runs, params = lora_runs
     for name in ("micro4", "two", "zero2"):
-        assert_same_metrics(runs["micro2"], runs[name], RUN_REL, RUN_ABS, clipfrac_abs=CLIPFRAC_ABS, kl_abs=KL_ABS)
+        assert_same_metrics(runs["micro2"], runs[name], **RUN_TOLERANCE)
         assert_same_params(params["micro2"], params[name], rtol=1e-4, atol=1e-6)
 
 

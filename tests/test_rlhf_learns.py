@@ -63,7 +63,7 @@ def pipeline(tmp_path_factory):
         output_dir=raw, num_sft_test=20, num_sft_validation=300, num_comparison_train=RM_PAIRS,
         num_comparison_validation=100, num_comparison_validation_cnndm=20, minimal_pair_fraction=1.0))
     # 1.5 tokens per parameter (483 steps), the budget this pipeline was measured at (docs/development.md:
-    # less breaks the control; hello_world's 3 with its TL;DR posts would double the suite's longest set-up)
+    # less breaks the control); hello_world's 3 would double the pretraining, the largest part of this set-up
     tiny_models.build(tiny_models.Args(corpus=os.path.join(raw, "tldr_sft", "train.jsonl"),
                                        output_dir=os.path.join(root, "tiny"), sizes=[SIZE],
                                        pretrain_tokens_per_parameter=1.5))

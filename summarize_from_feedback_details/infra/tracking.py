@@ -90,8 +90,8 @@ class EarlyWarnings:
             if signal_fires(kind, threshold, value, first):
                 self.fired[name] = step
                 # only the fired kind's text: a first value of 0 (a KL of exactly 0.0) has no relative change
-                what = (f"above {threshold:g}" if kind == "above" else f"below {threshold:g}" if kind == "below"
-                        else f"{value / first - 1:+.0%} from the first update's {first:.4g}")
+                what = (f"{value / first - 1:+.0%} from the first update's {first:.4g}" if kind == "change"
+                        else f"{kind} {threshold:g}")
                 messages.append(f"early warning at update {step}: {metric} {value:.4g} {what} (--warn {name}={threshold:g})")
         return messages
 
