@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import subprocess
+import time
 
 import pytest
 
@@ -18,9 +19,21 @@ BASH = os.environ.get("TEST_BASH", "bash")
 # stands in for .venv/bin/python, .venv/bin/accelerate and make: records its argv and, like the
 # stages, writes <output_dir>/model.safetensors
 RECORDER = """#!/usr/bin/env python3
-import json, os, sys
+import json, os, sys, time
 with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps([os.path.basename(sys.argv[0])] + sys.argv[1:]) + "\\n")
+# EVENTS: when each stage (by its --output_dir) starts and ends, on how many threads; SLOW_STAGE
+# takes a second; FAILING_STAGE fails
+stage = sys.argv[sys.argv.index("--output_dir") + 1] if "--output_dir" in sys.argv else None
+def event(what):
+    if os.environ.get("EVENTS") and stage:
+        with open(os.environ["EVENTS"], "a") as f:
+            f.write(json.dumps([what, stage, os.environ.get("OMP_NUM_THREADS")]) + "\\n")
+event("start")
+if stage and stage == os.environ.get("SLOW_STAGE"):
+    time.sleep(1)
+if stage and stage == os.environ.get("FAILING_STAGE"):
+    sys.exit(1)
 if "summarize_from_feedback_details.check_gpu" in sys.argv and os.environ.get("GPU_PROBLEM"):
     print(os.environ["GPU_PROBLEM"], file=sys.stderr)
     sys.exit(1)
@@ -31,6 +44,7 @@ if "--output_dir" in sys.argv:
     if "--sizes" in sys.argv:  # tiny_models: a folder per size
         prefix = {"gpt_neox": "pythia"}.get(sys.argv[sys.argv.index("--arch") + 1], sys.argv[sys.argv.index("--arch") + 1])
         os.makedirs(os.path.join(out, prefix + "-tiny-" + sys.argv[sys.argv.index("--sizes") + 1]), exist_ok=True)
+event("end")
 """
 
 
@@ -55,7 +69,9 @@ def run(checkout, gpus, *flags, **env):
         executable(checkout / "bin/nvidia-smi", "#!/bin/sh\n" + "".join(f"echo 'GPU {i}: H100'\n" for i in range(gpus)))
     record = checkout / "record.jsonl"
     record.unlink(missing_ok=True)
-    environment = {"PATH": f"{checkout / 'bin'}:/usr/bin:/bin", "RECORD": str(record), "HOME": str(checkout), **env}
+    # one stage at a time unless a test says otherwise: the call order is then fixed
+    environment = {"PATH": f"{checkout / 'bin'}:/usr/bin:/bin", "RECORD": str(record), "HOME": str(checkout),
+                   "SIDE_BY_SIDE": "0", **env}
     result = subprocess.run([BASH, "hello_world.sh", *flags], cwd=checkout, env=environment, capture_output=True,
                             text=True, timeout=60)
     calls = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
@@ -191,6 +207,76 @@ def test_finished_stages_are_skipped_and_force_reruns(checkout):
     _, forced = run(checkout, 0, "--force")
     assert len(stage_calls(forced, "sft.py")) == 2 and len(stage_calls(forced, "ppo_left_padding.py")) == 1
     assert len(stage_calls(forced, "dpo.py")) == 1
+
+
+def cores(checkout, count):
+    """This machine's cores, as nproc reports them to the script."""
+    executable(checkout / "bin/nproc", f"#!/bin/sh\necho {count}\n")
+
+
+def events(checkout):
+    """(start or end, the training stage's model folder under models/hello_world, OMP_NUM_THREADS)"""
+    lines = [json.loads(line) for line in (checkout / "events.jsonl").read_text().splitlines()]
+    out = "models/hello_world/"
+    return [(what, stage.removeprefix(out), omp) for what, stage, omp in lines if stage.startswith(out)]
+
+
+def test_the_policy_chain_runs_beside_the_reward_model_chain_on_a_cpu(checkout):
+    """On a CPU of 4 cores, the policy's SFT and DPO run in the background beside the reward model's
+    SFT and the reward model, each chain on 2 threads; PPO waits for both and gets every core."""
+    cores(checkout, 4)
+    result, calls = run(checkout, 0, SIDE_BY_SIDE="1", EVENTS=str(checkout / "events.jsonl"),
+                        SLOW_STAGE="models/hello_world/dpo")
+    assert result.returncode == 0, result.stderr
+    seen = events(checkout)
+    threads = {stage: omp for what, stage, omp in seen if what == "start"}
+    assert threads == {"sft": "2", "dpo": "2", "sft_all_tokens": "2", "reward_model": "2", "ppo": None}
+    order = [(what, stage) for what, stage, _ in seen]
+    for before, after in ((("end", "sft"), ("start", "dpo")), (("end", "sft_all_tokens"), ("start", "reward_model")),
+                          (("end", "dpo"), ("start", "ppo")), (("end", "reward_model"), ("start", "ppo"))):
+        assert order.index(before) < order.index(after)
+    assert order.index(("start", "reward_model")) < order.index(("end", "dpo"))  # side by side
+    log = checkout / "runs/hello_world_side_by_side.log"
+    assert f"output: {log.relative_to(checkout)}" in result.stdout and "== dpo.py done in" in log.read_text()
+    assert "==   dpo.py done in" in result.stdout  # the side chain's stages, listed when it is done
+    # ALGOS without dpo: the policy's SFT alone beside the reward model's chain
+    result, _ = run(checkout, 0, "--force", SIDE_BY_SIDE="1", ALGOS="ppo")
+    assert result.returncode == 0 and "sft_policy (output:" in result.stdout and "dpo" not in log.read_text()
+
+
+@pytest.mark.parametrize("setting", ["SIDE_BY_SIDE=0", "OMP_NUM_THREADS=1", "one core", "a GPU"])
+def test_one_stage_at_a_time(checkout, setting):
+    """SIDE_BY_SIDE=0, OMP_NUM_THREADS set by the caller (a sweep's parallel runs), one core, or a GPU
+    that runs the stages: the stages run one after another in the order of the script."""
+    cores(checkout, 1 if setting == "one core" else 4)
+    env = {"SIDE_BY_SIDE": "1", "EVENTS": str(checkout / "events.jsonl")}
+    if "=" in setting:
+        env.update([setting.split("=")])
+    result, calls = run(checkout, 1 if setting == "a GPU" else 0, **env)
+    assert result.returncode == 0, result.stderr
+    seen = events(checkout)
+    stages = [stage for what, stage, _ in seen if what == "start"]
+    assert stages == ["sft_all_tokens", "sft", "reward_model", "ppo", "dpo"]
+    assert [what for what, _, _ in seen] == ["start", "end"] * 5
+    assert {omp for _, _, omp in seen} == {"1" if setting == "OMP_NUM_THREADS=1" else None}
+    assert not (checkout / "runs/hello_world_side_by_side.log").exists()
+
+
+def test_a_failure_in_either_chain_stops_the_run(checkout):
+    """A failed side stage fails the run after the reward model's chain, with its output's last lines,
+    and nothing after runs; a failed reward model stops the side chain at once."""
+    cores(checkout, 2)
+    result, calls = run(checkout, 0, SIDE_BY_SIDE="1", FAILING_STAGE="models/hello_world/dpo")
+    assert result.returncode == 1 and "error: the stages beside failed" in result.stderr
+    assert "== dpo.py" in result.stderr and not stage_calls(calls, "ppo_left_padding.py")
+    shutil.rmtree(checkout / "models")
+    started = time.monotonic()
+    result, calls = run(checkout, 0, SIDE_BY_SIDE="1", EVENTS=str(checkout / "events.jsonl"),
+                        FAILING_STAGE="models/hello_world/reward_model", SLOW_STAGE="models/hello_world/sft")
+    assert result.returncode != 0 and not stage_calls(calls, "ppo_left_padding.py")
+    time.sleep(max(0.0, 2 - (time.monotonic() - started)))  # past the end of the slow stage, had it lived
+    assert ("start", "sft", "1") in events(checkout)
+    assert ("end", "sft", "1") not in events(checkout) and not stage_calls(calls, "dpo.py")
 
 
 def test_data_only(checkout):
