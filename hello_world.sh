@@ -157,8 +157,9 @@ fi
 # cores: the policy's SFT and DPO beside the reward model's SFT and the reward model; PPO and what
 # follows run after both, on all of them. The tiny models' small ops gain less from a second thread
 # than from a second job: 100 reward-model updates took 74 s on two threads, 108 s on one, and two
-# one-thread runs side by side 109 s. The thread count changes only the order of float sums (the
-# reward loss after those 100 updates: 0.633293 on one thread, 0.633277 on two).
+# one-thread runs side by side 109 s (a two-thread run beside a one-thread run: 138 s and 135 s). The
+# thread count changes only the order of float sums (the reward loss after those 100 updates:
+# 0.633293 on one thread, 0.633277 on two), but that noise grows over a run like a seed's.
 # SIDE_BY_SIDE=0, or OMP_NUM_THREADS set (the sweeps' parallel runs, make test): one stage at a time.
 SIDE_BY_SIDE=${SIDE_BY_SIDE:-1}
 if [[ $TINY == 0 || ($NUM_GPUS -gt 0 && -z ${ACCELERATE_USE_CPU:-}) || -n ${OMP_NUM_THREADS:-} ]] \
@@ -166,32 +167,42 @@ if [[ $TINY == 0 || ($NUM_GPUS -gt 0 && -z ${ACCELERATE_USE_CPU:-}) || -n ${OMP_
     SIDE_BY_SIDE=0
 fi
 SIDE_PID=
+MARKERS=
 # a failed or interrupted run stops the chain beside it too (a background job ignores Ctrl-C)
 stop_side_chain() {
     if [[ -n $SIDE_PID ]]; then
         pkill -TERM -P "$SIDE_PID" 2>/dev/null || true
         kill "$SIDE_PID" 2>/dev/null || true
     fi
+    if [[ -n $MARKERS ]]; then rm -rf "$MARKERS"; fi
 }
 trap stop_side_chain EXIT
 # beside SIDE_STAGE... -- STAGE...: the SIDE_STAGEs in the background (their output in
-# runs/${NAME}_side_by_side.log) and the STAGEs here, each chain on half the cores; returns when
-# both chains are done, and fails, showing the side chain's last lines, when either did
+# runs/${NAME}_side_by_side.log) and the STAGEs here, each chain on half the cores; when one chain
+# ends, the stage running in the other takes every core (TAKE_CORES_WHEN_GONE, infra/cores.py: it
+# watches the other chain's marker file). Returns when both chains are done, and fails, showing the
+# side chain's last lines, when either did.
 beside() {
-    local side=() threads=$(($(nproc) / 2)) log=runs/${NAME}_side_by_side.log stage
+    local side=() cores threads log=runs/${NAME}_side_by_side.log stage names
+    cores=$(nproc)
+    threads=$((cores / 2))
     while [[ $1 != -- ]]; do side+=("$1"); shift; done
     shift
-    local names=${side[*]+"${side[*]}"}
+    names=${side[*]+"${side[*]}"}
+    MARKERS=$(mktemp -d)
+    touch "$MARKERS/side" "$MARKERS/main"
     mkdir -p runs
-    echo "== in the background, on $threads of $(nproc) cores: ${names//stage_/} (output: $log); here, on $threads more:"
+    echo "== in the background, on $threads of $cores cores: ${names//stage_/} (output: $log); here, on $threads more:"
     (
-        export OMP_NUM_THREADS=$threads
+        trap 'rm -f "$MARKERS/side"' EXIT
+        export OMP_NUM_THREADS=$threads TAKE_CORES_WHEN_GONE="$cores $MARKERS/main"
         for stage in ${side[@]+"${side[@]}"}; do $stage; done
     ) >"$log" 2>&1 &
     SIDE_PID=$!
-    export OMP_NUM_THREADS=$threads
+    export OMP_NUM_THREADS=$threads TAKE_CORES_WHEN_GONE="$cores $MARKERS/side"
     for stage in "$@"; do $stage; done
-    unset OMP_NUM_THREADS
+    rm -f "$MARKERS/main"
+    unset OMP_NUM_THREADS TAKE_CORES_WHEN_GONE
     if ! wait "$SIDE_PID"; then
         SIDE_PID=
         tail -n 40 "$log" >&2
@@ -199,6 +210,8 @@ beside() {
         exit 1
     fi
     SIDE_PID=
+    rm -rf "$MARKERS"
+    MARKERS=
     echo "== beside: done ($log)"
     grep '^== ' "$log" | sed 's/^== /==   /'
 }

@@ -22,13 +22,14 @@ RECORDER = """#!/usr/bin/env python3
 import json, os, sys, time
 with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps([os.path.basename(sys.argv[0])] + sys.argv[1:]) + "\\n")
-# EVENTS: when each stage (by its --output_dir) starts and ends, on how many threads; SLOW_STAGE
-# takes a second; FAILING_STAGE fails
+# EVENTS: when each stage (by its --output_dir) starts and ends, on how many threads, and which cores
+# it takes when (TAKE_CORES_WHEN_GONE); SLOW_STAGE takes a second; FAILING_STAGE fails
 stage = sys.argv[sys.argv.index("--output_dir") + 1] if "--output_dir" in sys.argv else None
 def event(what):
     if os.environ.get("EVENTS") and stage:
         with open(os.environ["EVENTS"], "a") as f:
-            f.write(json.dumps([what, stage, os.environ.get("OMP_NUM_THREADS")]) + "\\n")
+            f.write(json.dumps([what, stage, os.environ.get("OMP_NUM_THREADS"),
+                                os.environ.get("TAKE_CORES_WHEN_GONE")]) + "\\n")
 event("start")
 if stage and stage == os.environ.get("SLOW_STAGE"):
     time.sleep(1)
@@ -215,23 +216,30 @@ def cores(checkout, count):
 
 
 def events(checkout):
-    """(start or end, the training stage's model folder under models/hello_world, OMP_NUM_THREADS)"""
+    """(start or end, the training stage's model folder under models/hello_world, OMP_NUM_THREADS,
+    TAKE_CORES_WHEN_GONE)"""
     lines = [json.loads(line) for line in (checkout / "events.jsonl").read_text().splitlines()]
     out = "models/hello_world/"
-    return [(what, stage.removeprefix(out), omp) for what, stage, omp in lines if stage.startswith(out)]
+    return [(what, stage.removeprefix(out), *env) for what, stage, *env in lines if stage.startswith(out)]
 
 
 def test_the_policy_chain_runs_beside_the_reward_model_chain_on_a_cpu(checkout):
     """On a CPU of 4 cores, the policy's SFT and DPO run in the background beside the reward model's
-    SFT and the reward model, each chain on 2 threads; PPO waits for both and gets every core."""
+    SFT and the reward model, each chain on 2 threads, each stage watching the other chain's marker
+    to take all 4 once that chain ends; PPO waits for both and gets every core."""
     cores(checkout, 4)
     result, calls = run(checkout, 0, SIDE_BY_SIDE="1", EVENTS=str(checkout / "events.jsonl"),
                         SLOW_STAGE="models/hello_world/dpo")
     assert result.returncode == 0, result.stderr
     seen = events(checkout)
-    threads = {stage: omp for what, stage, omp in seen if what == "start"}
+    threads = {stage: omp for what, stage, omp, _ in seen if what == "start"}
     assert threads == {"sft": "2", "dpo": "2", "sft_all_tokens": "2", "reward_model": "2", "ppo": None}
-    order = [(what, stage) for what, stage, _ in seen]
+    take = {stage: cores_spec for what, stage, _, cores_spec in seen if what == "start"}
+    assert take["ppo"] is None and take["sft"] == take["dpo"] and take["sft_all_tokens"] == take["reward_model"]
+    count, side_marker = take["sft_all_tokens"].split(" ", 1)
+    assert count == "4" and side_marker.endswith("/side") and take["sft"] == f"4 {side_marker[:-len('side')]}main"
+    assert not os.path.exists(os.path.dirname(side_marker))  # the markers go with the run
+    order = [(what, stage) for what, stage, _, _ in seen]
     for before, after in ((("end", "sft"), ("start", "dpo")), (("end", "sft_all_tokens"), ("start", "reward_model")),
                           (("end", "dpo"), ("start", "ppo")), (("end", "reward_model"), ("start", "ppo"))):
         assert order.index(before) < order.index(after)
@@ -255,10 +263,11 @@ def test_one_stage_at_a_time(checkout, setting):
     result, calls = run(checkout, 1 if setting == "a GPU" else 0, **env)
     assert result.returncode == 0, result.stderr
     seen = events(checkout)
-    stages = [stage for what, stage, _ in seen if what == "start"]
+    stages = [stage for what, stage, _, _ in seen if what == "start"]
     assert stages == ["sft_all_tokens", "sft", "reward_model", "ppo", "dpo"]
-    assert [what for what, _, _ in seen] == ["start", "end"] * 5
-    assert {omp for _, _, omp in seen} == {"1" if setting == "OMP_NUM_THREADS=1" else None}
+    assert [what for what, _, _, _ in seen] == ["start", "end"] * 5
+    assert {omp for _, _, omp, _ in seen} == {"1" if setting == "OMP_NUM_THREADS=1" else None}
+    assert {cores_spec for _, _, _, cores_spec in seen} == {None}
     assert not (checkout / "runs/hello_world_side_by_side.log").exists()
 
 
@@ -266,17 +275,22 @@ def test_a_failure_in_either_chain_stops_the_run(checkout):
     """A failed side stage fails the run after the reward model's chain, with its output's last lines,
     and nothing after runs; a failed reward model stops the side chain at once."""
     cores(checkout, 2)
-    result, calls = run(checkout, 0, SIDE_BY_SIDE="1", FAILING_STAGE="models/hello_world/dpo")
+    (checkout / "tmp").mkdir()  # where the chains' marker files go (mktemp)
+    result, calls = run(checkout, 0, SIDE_BY_SIDE="1", FAILING_STAGE="models/hello_world/dpo",
+                        TMPDIR=str(checkout / "tmp"))
     assert result.returncode == 1 and "error: the stages beside failed" in result.stderr
+    assert not list((checkout / "tmp").iterdir())
     assert "== dpo.py" in result.stderr and not stage_calls(calls, "ppo_left_padding.py")
     shutil.rmtree(checkout / "models")
     started = time.monotonic()
     result, calls = run(checkout, 0, SIDE_BY_SIDE="1", EVENTS=str(checkout / "events.jsonl"),
-                        FAILING_STAGE="models/hello_world/reward_model", SLOW_STAGE="models/hello_world/sft")
+                        FAILING_STAGE="models/hello_world/reward_model", SLOW_STAGE="models/hello_world/sft",
+                        TMPDIR=str(checkout / "tmp"))
     assert result.returncode != 0 and not stage_calls(calls, "ppo_left_padding.py")
+    assert not list((checkout / "tmp").iterdir())
     time.sleep(max(0.0, 2 - (time.monotonic() - started)))  # past the end of the slow stage, had it lived
-    assert ("start", "sft", "1") in events(checkout)
-    assert ("end", "sft", "1") not in events(checkout) and not stage_calls(calls, "dpo.py")
+    assert [what for what, stage, _, _ in events(checkout) if stage == "sft"] == ["start"]
+    assert not stage_calls(calls, "dpo.py")
 
 
 def test_data_only(checkout):

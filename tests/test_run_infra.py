@@ -16,14 +16,14 @@ import torch
 
 from conftest import run_in_process
 from summarize_from_feedback_details import dpo, ppo_left_padding, reward, sft
-from summarize_from_feedback_details.infra import checkpoints, launch, loading, preflight, tracking
+from summarize_from_feedback_details.infra import checkpoints, cores, launch, loading, preflight, tracking
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "summarize_from_feedback_details"
 STAGES = ("sft", "reward", "dpo", "ppo_left_padding", "rloo", "online_dpo")
 # the run infrastructure, one concern a module (test_the_shared_modules_are_these lists the folder)
-INFRA = tuple(f"infra/{name}" for name in ("checkpoints", "flags", "launch", "loading", "lora", "preflight", "saving",
-                                           "tracking"))
+INFRA = tuple(f"infra/{name}" for name in ("checkpoints", "cores", "flags", "launch", "loading", "lora", "preflight",
+                                           "saving", "tracking"))
 SHARED = INFRA + ("rollout",)
 # lines of a shared module (DESIGN.md section 1): evaluation.py and packing.py are shared too
 SHARED_MODULE_BUDGET = 500
@@ -316,6 +316,48 @@ def test_batch_arithmetic_line(capsys, tmp_path):
     assert printed == ("world_size 1 x local_micro_batch_size 2 x gradient_accumulation_steps 4 x nminibatches 2 = "
                        "batch_size 16 episodes (minibatch 8); 6 updates over 100 episodes (4 left over); "
                        "weight_decay 0.01; gradient clipping off; offload False")
+
+
+def test_take_cores_when_gone_known_answers():
+    assert cores.parse_spec(None) == cores.parse_spec("") == (None, None)
+    assert cores.parse_spec("4 /tmp/a b/side") == (4, "/tmp/a b/side")
+    for bad in ("4", "two /tmp/side", "0 /tmp/side", "-1 /tmp/side", " /tmp/side"):
+        with pytest.raises(ValueError, match="TAKE_CORES_WHEN_GONE=.*expected '<threads> <marker file>'"):
+            cores.parse_spec(bad)
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def test_cores_are_taken_once_the_marker_is_gone(tmp_path, restore_threads):
+    """Nothing changes while the other chain's marker exists; once it is gone, the next look (at most
+    every CHECK_EVERY_SECONDS) sets torch's thread count, once."""
+    marker, now = tmp_path / "side", [0.0]
+    marker.touch()
+    freed = cores.CoresWhenFreed(f"{restore_threads + 1} {marker}", clock=lambda: now[0])
+    assert freed.poll() is None and torch.get_num_threads() == restore_threads
+    marker.unlink()
+    now[0] = cores.CHECK_EVERY_SECONDS / 2
+    assert freed.poll() is None and torch.get_num_threads() == restore_threads  # not looked at yet
+    now[0] = cores.CHECK_EVERY_SECONDS
+    assert freed.poll() == restore_threads + 1 and torch.get_num_threads() == restore_threads + 1
+    now[0] = 10 * cores.CHECK_EVERY_SECONDS
+    assert freed.poll() is None
+    assert cores.CoresWhenFreed(None).poll() is None
+
+
+def test_a_stage_loop_takes_the_freed_cores(tmp_path, monkeypatch, capsys, restore_threads):
+    """Run.progress, which every stage's loops go through, polls between two items."""
+    monkeypatch.setenv(cores.ENV, f"{restore_threads + 1} {tmp_path / 'gone'}")
+    run = launch.Run(sft.Args(), types.SimpleNamespace(is_main_process=True, state=types.SimpleNamespace(
+        deepspeed_plugin=None)), {}, None, 1, None)
+    assert list(run.progress(range(3), 3, "reward")) == [0, 1, 2]
+    assert torch.get_num_threads() == restore_threads + 1
+    assert f"reward: the job beside this one ended; now on {restore_threads + 1} threads" in capsys.readouterr().out
 
 
 def test_shared_modules_say_why_they_exist():

@@ -30,6 +30,7 @@ from transformers.utils import logging as transformers_logging
 
 from summarize_from_feedback_details.infra.checkpoints import (Checkpoints, changed_settings, find_checkpoint,
                                                                lora_identity, rng_state, run_settings)
+from summarize_from_feedback_details.infra.cores import ENV as TAKE_CORES_ENV, CoresWhenFreed
 from summarize_from_feedback_details.infra.lora import check_peft_args, merged_model, saved_form
 from summarize_from_feedback_details.infra.preflight import (check_fresh_start, check_settings, cuda_problem,
                                                              lock_output_dir)
@@ -161,6 +162,7 @@ class Run:
         self.key_metrics: tuple = ()  # what the progress lines and the summary show (progress)
         self.loss_finite = None  # (optimizer_step: whether this step's micro-batch losses were finite)
         self.deepspeed_skipped = 0
+        self.freed_cores = CoresWhenFreed(os.environ.get(TAKE_CORES_ENV))  # (progress)
 
     def print(self, *objects, **kwargs) -> None:
         """Prints on the main process only."""
@@ -286,6 +288,9 @@ class Run:
         status = (lambda: metric_status(self.logger.latest, key_metrics)) if key_metrics and self.logger else None
         for item in progress(iterable, total, description, self.accelerator.is_main_process, status):
             yield item
+            taken = self.freed_cores.poll()
+            if taken:
+                self.print(f"{description}: the job beside this one ended; now on {taken} threads")
             if stoppable and self.checkpoints is not None:
                 self.checkpoints.stop_if_asked()
 
