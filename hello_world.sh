@@ -4,10 +4,14 @@
 # hardware is here.
 #
 #   ./hello_world.sh           the embedded default (synthetic TL;DR data, tiny Pythia-architecture
-#                              models) on a CPU in under 20 minutes; sets up .venv first if needed
+#                              models) on a CPU (13 min on two cores, .venv included); sets up .venv
+#                              first if needed; on two cores or more, two chains of stages side by side
 #   ./hello_world.sh --force   rerun every stage (otherwise a stage whose output exists is skipped)
 #   ./hello_world.sh --data    only the embedded default's data, base models (every size) and
 #                              tokenized datasets (what the sweeps and the sbatch files' TINY=1 mode read)
+#   SIDE_BY_SIDE=0 ./hello_world.sh
+#                              one stage at a time, repeatable to the digit (side by side, a stage
+#                              takes the other chain's cores at an update that depends on timing)
 #   ARCH=llama ./hello_world.sh
 #                              the embedded default on a Llama-style model (ARCH=qwen3: Qwen3-style),
 #                              with that family's tokenizer conventions; models/tiny_<arch>/,
