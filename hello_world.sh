@@ -196,7 +196,8 @@ beside() {
     MARKERS=$(mktemp -d)
     touch "$MARKERS/side" "$MARKERS/main"
     mkdir -p runs
-    echo "== in the background, on $threads of $cores cores: ${names//stage_/} (output: $log); here, on $threads more:"
+    echo "== two chains side by side, each on $threads of $cores cores: ${names//stage_/} in the background" \
+         "(output: $log), the stages below here"
     (
         trap 'rm -f "$MARKERS/side"' EXIT
         export OMP_NUM_THREADS=$threads TAKE_CORES_WHEN_GONE="$cores $MARKERS/main"

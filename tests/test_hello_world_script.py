@@ -249,7 +249,7 @@ def test_the_policy_chain_runs_beside_the_reward_model_chain_on_a_cpu(checkout):
     assert "==   dpo.py done in" in result.stdout  # the side chain's stages, listed when it is done
     # ALGOS without dpo: the policy's SFT alone beside the reward model's chain
     result, _ = run(checkout, 0, "--force", SIDE_BY_SIDE="1", ALGOS="ppo")
-    assert result.returncode == 0 and "sft_policy (output:" in result.stdout and "dpo" not in log.read_text()
+    assert result.returncode == 0 and "sft_policy in the background" in result.stdout and "dpo" not in log.read_text()
 
 
 @pytest.mark.parametrize("setting", ["SIDE_BY_SIDE=0", "OMP_NUM_THREADS=1", "one core", "a GPU"])
