@@ -47,9 +47,10 @@ clean:
 	rm -rf $(VENV) data models runs
 
 # Opt-in, not part of `make test`: the embedded default over tiny-s, -m, -l x seeds 1 2 3 (SFT, reward
-# model, PPO; 66 min on a 2-core CPU), then the scaling plots and the results table in
-# eval/images/scaling/. Finished runs are reused; SIZES / SEEDS choose others. Where a Slurm cluster
-# answers, it submits the sbatches/ chain with TINY=1 instead (SLURM=0: run here; scaling.sh).
+# model, PPO; hours on a 2-core CPU, docs/scaling.md has each chain's time), then the scaling plots
+# and the results table in eval/images/scaling/. Finished runs are reused; SIZES / SEEDS choose
+# others. Where a Slurm cluster answers, it submits the sbatches/ chain with TINY=1 instead (SLURM=0:
+# run here; scaling.sh).
 .PHONY: scaling
 scaling: install
 	./scaling.sh
