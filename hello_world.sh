@@ -342,7 +342,8 @@ if [[ $TINY == 1 ]]; then
             run_training sft sft.py "${TINY_SFT[@]}" --response_only_loss --output_dir $OUT_DIR/sft
     }
     # Two epochs of the preference pairs at batch 32: with one, one reward model in three that
-    # make compare trained let PPO state wrong optional facts (docs/embedded_default.md).
+    # make compare trained let PPO state wrong optional facts (docs/embedded_default.md). Adam's epsilon
+    # 1e-8: the paper's 1e-5 damps the larger tiny models most (sbatches/tiny_default.sh, docs/scaling.md).
     RM_ARGS=(--base_model "$MODEL" --sft_model_path $OUT_DIR/sft_all_tokens --label_dataset $DATASET_DIR/preference
              --query_dataset $DATASET_DIR/sft "${TINY_RM_FLAGS[@]}" --local_micro_batch_size "$TINY_RM_BATCH"
              --gradient_accumulation_steps 1)

@@ -87,7 +87,7 @@ def pipeline(tmp_path_factory):
     for name, episodes in (("reward_model", None), ("control_reward_model", 0)):
         run_in_process(reward.main, reward.Args(
             base_model=base, sft_model_path=base, label_dataset=os.path.join(data, "preference"),
-            query_dataset=references, lr=1e-3, local_micro_batch_size=32, gradient_accumulation_steps=1,
+            query_dataset=references, lr=1e-3, eps=1e-8, local_micro_batch_size=32, gradient_accumulation_steps=1,
             local_eval_batch_size=100, total_episodes=episodes, run_eval=False, run_name=name, output_dir=paths[name]),
             root)
     return paths
