@@ -423,14 +423,15 @@ def interval_bars(summary: pd.DataFrame) -> list:
 def finish_scaling_axes(ax, sizes, values, min_span: float = 0.02) -> None:
     """Size axis, a y range of at least `min_span` around the data (a lone point or seeds that agree
     to 4 decimals would otherwise fill the plot with noise), and a legend with one entry for the
-    seed points."""
+    seed points, beside the axes."""
     size_axis(ax, sizes)
     low, high = ax.get_ylim()
     if high - low < min_span:
         middle = (float(np.nanmin(values)) + float(np.nanmax(values))) / 2
         ax.set_ylim(middle - min_span / 2, middle + min_span / 2)
     ax.scatter([], [], s=36, facecolors="none", edgecolors="gray", label="each seed")
-    ax.legend(loc="best", fontsize=8)
+    # outside the axes: with make compare's eight policies at one size, a legend inside covered its points
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, fontsize=8)
 
 
 def shifts(count: int, step: float = 1.06) -> list:
