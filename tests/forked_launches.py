@@ -133,7 +133,11 @@ def torchrun_in_forks(torchrun_args):
             for other in ranks:
                 os.kill(other, signal.SIGTERM)
     if signalled:
-        raise RuntimeError(f"the launch got {signal.Signals(signalled[0]).name}")
+        # torchrun's agent raises this one: accelerate >= 1.16 turns it into the exit status 128 + the signal
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        sigval = signal.Signals(signalled[0])
+        raise SignalException(f"the launch got {sigval.name}", sigval=sigval)
     if failed is not None:
         raise RuntimeError(f"a rank exited with {failed}")
 
