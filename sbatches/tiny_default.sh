@@ -9,10 +9,7 @@
 # the 6,000 SFT rows each
 TINY_SFT_BATCH=32
 TINY_SFT_FLAGS=(--lr 3e-3 --response_length 32 --local_eval_batch_size 100)
-# the reward model: two epochs of the preference pairs, from the all-tokens SFT. Adam's epsilon is
-# torch's 1e-8, not the paper's 1e-5: a tiny model's last-layer gradients are near 1e-5 (tiny-l's
-# median sqrt(v) 1.3e-5 to 1.7e-5), so 1e-5 would halve the larger sizes' steps and undo the scaling
-# (docs/scaling.md, "What sets the reward model's accuracy"); Pythia runs keep the paper's 1e-5
+# the reward model: two epochs of the preference pairs, from the all-tokens SFT, Adam's epsilon 1e-8
 TINY_RM_BATCH=32
 TINY_RM_FLAGS=(--lr 1e-3 --eps 1e-8 --num_train_epochs 2 --local_eval_batch_size 100)
 # PPO: TINY_PPO_UPDATES updates of TINY_PPO_BATCH rollouts in micro-batches of TINY_PPO_MICRO_BATCH;
