@@ -9,8 +9,8 @@
 #
 # Each (size, seed) is `NAME=scaling_<size>_<seed> MODEL=models/tiny/pythia-tiny-<size> SEED=<seed>
 # ALGOS=all ./hello_world.sh`: the folders of `make scaling` (scaling.sh), whose SFT, reward model
-# and PPO runs are reused where they exist (a stage whose output exists is skipped), so only the
-# missing methods train. Every online method gets PPO's budget: 15 updates of 64 episodes.
+# and PPO runs are reused where they exist (a stage whose output exists is skipped; one stopped
+# halfway resumes from its checkpoint), so only the missing methods train. Every online method gets PPO's budget: 15 updates of 64 episodes.
 # The plots and tables take every seed found in runs/ of these sizes. Plots and tables:
 # eval/images/compare/ (docs/compare.md shows them).
 set -euo pipefail

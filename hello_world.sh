@@ -6,7 +6,8 @@
 #   ./hello_world.sh           the embedded default (synthetic TL;DR data, tiny Pythia-architecture
 #                              models) on a CPU (13 min on two cores, .venv included); sets up .venv
 #                              first if needed; on two cores or more, two chains of stages side by side
-#   ./hello_world.sh --force   rerun every stage (otherwise a stage whose output exists is skipped)
+#   ./hello_world.sh --force   rerun every stage (otherwise a stage whose output exists is skipped),
+#                              discarding the checkpoints of stopped ones (otherwise they resume)
 #   ./hello_world.sh --data    only the embedded default's data, base models (every size) and
 #                              tokenized datasets (what the sweeps and the sbatch files' TINY=1 mode read)
 #   SIDE_BY_SIDE=0 ./hello_world.sh
@@ -172,11 +173,19 @@ if [[ $TINY == 0 || ($NUM_GPUS -gt 0 && -z ${ACCELERATE_USE_CPU:-}) || -n ${OMP_
 fi
 SIDE_PID=
 MARKERS=
-# a failed or interrupted run stops the chain beside it too (a background job ignores Ctrl-C)
+# a failed or interrupted run stops the chain beside it too (a background job ignores Ctrl-C): its
+# stage, stopped by SIGTERM, writes a checkpoint at the end of its update, which the next run
+# resumes; waiting for it keeps the rerun from finding its folder still in use
 stop_side_chain() {
     if [[ -n $SIDE_PID ]]; then
-        pkill -TERM -P "$SIDE_PID" 2>/dev/null || true
+        local stages stage
+        stages=$(pgrep -P "$SIDE_PID" || true)
         kill "$SIDE_PID" 2>/dev/null || true
+        for stage in $stages; do
+            kill -TERM "$stage" 2>/dev/null || continue
+            echo "== stopping the stage beside (pid $stage): it writes a checkpoint first" >&2
+            while kill -0 "$stage" 2>/dev/null; do sleep 0.2; done
+        done
     fi
     if [[ -n $MARKERS ]]; then rm -rf "$MARKERS"; fi
 }
@@ -234,11 +243,34 @@ run_stage() {
     "$@"
     echo "== $name done in $((SECONDS - start)) s"
 }
+# newest_checkpoint DIR: the newest checkpoint in DIR/checkpoints (or nothing)
+newest_checkpoint() {
+    local found=("$1"/checkpoints/update-*)
+    [[ -d ${found[${#found[@]} - 1]} ]] && echo "${found[${#found[@]} - 1]}"
+    return 0
+}
 # run_training STAGE SCRIPT ARGS...: a training stage in a fresh run folder runs/${NAME}_STAGE
-# (metrics.jsonl is appended to, so a rerun must not inherit the last run's)
+# (metrics.jsonl is appended to, so a rerun must not inherit the last run's), or, where an earlier
+# run of it was stopped (Ctrl-C, a failure in the other chain) and left a checkpoint in its
+# --output_dir, that run resumed in its own run folder (the stage refuses a checkpoint of other
+# settings, naming them); --force discards the checkpoint instead. A finished stage's checkpoints
+# are deleted, as in the sbatch chain: its model is saved, and they only served to resume
+# (KEEP_FINISHED_CHECKPOINTS=1 keeps them).
 run_training() {
-    local stage=$1 script=summarize_from_feedback_details/$2 own
+    local stage=$1 script=summarize_from_feedback_details/$2 own out="" prev="" arg checkpoint resume=() status=0
     shift 2
+    for arg in "$@"; do
+        [[ $prev != --output_dir ]] || out=$arg
+        prev=$arg
+    done
+    checkpoint=$(newest_checkpoint "$out")
+    if [[ -n $checkpoint && $FORCE == 1 ]]; then
+        echo "== --force: discarding the checkpoints of an earlier run in $out/checkpoints (newest: ${checkpoint##*/})"
+        rm -rf "$out/checkpoints"
+    elif [[ -n $checkpoint ]]; then
+        echo "== resuming the run stopped at $checkpoint (--force starts over)"
+        resume=(--resume)
+    fi
     case $stage in
         sft*) own=${SFT_FLAGS:-} ;;
         reward*) own=${REWARD_FLAGS:-} ;;
@@ -252,15 +284,26 @@ run_training() {
     # the reward model's backbone is never sampled from: sampling its validation summaries for a
     # ROUGE no later stage or report reads costs the tiny default 25 s (SFT_FLAGS=--run_eval: it runs)
     if [[ $stage == sft_all_tokens ]]; then run_eval=(); fi
-    rm -rf "runs/${NAME}_$stage"
+    ((${#resume[@]})) || rm -rf "runs/${NAME}_$stage"
     if [[ $TINY == 1 ]]; then
-        $PY "$script" "$@" --run_name "${NAME}_$stage" --seed "$SEED" ${run_eval[@]+"${run_eval[@]}"} ${extra[@]+"${extra[@]}"}
+        $PY "$script" "$@" --run_name "${NAME}_$stage" --seed "$SEED" ${run_eval[@]+"${run_eval[@]}"} \
+            ${extra[@]+"${extra[@]}"} ${resume[@]+"${resume[@]}"} || status=$?
     else
         local track=()
         if [[ $TRACK == 1 ]]; then track=(--track); fi
         .venv/bin/accelerate launch --config_file deepspeed.yaml --num_processes "$NUM_GPUS" "$script" "$@" \
             --run_name "${NAME}_$stage" --seed "$SEED" --run_eval --deepspeed ${track[@]+"${track[@]}"} \
-            ${extra[@]+"${extra[@]}"}
+            ${extra[@]+"${extra[@]}"} ${resume[@]+"${resume[@]}"} || status=$?
+    fi
+    if ((status == 75)); then    # (CHECKPOINT_EXIT_CODE: stopped by a signal, its checkpoint written)
+        echo "== $stage stopped with a checkpoint in $out/checkpoints: rerun the same command to resume it" >&2
+    elif ((status != 0 && ${#resume[@]})); then
+        echo "== $stage failed resuming $checkpoint; --force discards that checkpoint and starts over" >&2
+    fi
+    ((status == 0)) || exit "$status"
+    if [[ ${KEEP_FINISHED_CHECKPOINTS:-0} != 1 && -d $out/checkpoints ]]; then
+        echo "== $stage finished: deleting its checkpoints in $out/checkpoints"
+        rm -rf "$out/checkpoints"
     fi
 }
 # accumulation BATCH MICRO: the gradient_accumulation_steps that keep the paper's BATCH

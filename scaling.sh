@@ -13,8 +13,8 @@
 #
 # Here: each (size, seed) is `NAME=scaling_<size>_<seed> MODEL=models/tiny/pythia-tiny-<size>
 # SEED=<seed> ALGOS=ppo ./hello_world.sh`: its models go to models/scaling_<size>_<seed>/, its runs to
-# runs/scaling_<size>_<seed>_<stage>/. A stage whose output exists is skipped, so a rerun (or a run
-# stopped halfway and started again) only trains what is missing.
+# runs/scaling_<size>_<seed>_<stage>/. A stage whose output exists is skipped and a stage stopped
+# halfway (Ctrl-C, a failure) resumes from its checkpoint, so a rerun only trains what is missing.
 #
 # On Slurm: per size, the TINY=1 chain sft.sbatch -> reward.sbatch -> ppo_left_padding.sbatch
 # (--dependency=afterany), one array task per seed: hello_world.sh's stages with the same flags

@@ -6,6 +6,7 @@ TEST_BASH=/path/to/bash runs the script with another bash, e.g. a 4.2 build (tes
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import time
@@ -31,6 +32,39 @@ def event(what):
             f.write(json.dumps([what, stage, os.environ.get("OMP_NUM_THREADS"),
                                 os.environ.get("TAKE_CORES_WHEN_GONE")]) + "\\n")
 event("start")
+# like a stage (infra/preflight.py, infra/checkpoints.py): a checkpoint in <output_dir>/checkpoints is
+# refused without --resume and needed with it, a fresh run refuses a run folder with logs, a resumed one
+# appends to them; a stage in STOP_STAGES (its pid in <output_dir>/pid) waits for Ctrl-C or SIGTERM, then
+# writes a checkpoint (taking STOP_SECONDS to finish its update) and exits 75
+if stage and "--run_name" in sys.argv:
+    checkpoints = os.path.join(stage, "checkpoints")
+    held = sorted(os.listdir(checkpoints)) if os.path.isdir(checkpoints) else []
+    run = os.path.join("runs", sys.argv[sys.argv.index("--run_name") + 1])
+    if held and "--resume" not in sys.argv:
+        sys.exit(f"FileExistsError: --output_dir {stage} holds checkpoints of an earlier run")
+    if "--resume" in sys.argv and not held:
+        sys.exit(f"FileNotFoundError: --resume: no checkpoint in {checkpoints}")
+    if not held and os.path.isdir(run):
+        sys.exit(f"FileExistsError: {run} already holds a run's logs")
+    os.makedirs(run, exist_ok=True)
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"resumed_from": held[-1] if held else None}) + "\\n")
+    if stage in os.environ.get("STOP_STAGES", "").split():
+        import signal
+        stopped = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: stopped.append(signum))
+        os.makedirs(stage, exist_ok=True)
+        with open(os.path.join(stage, "pid"), "w") as f:
+            f.write(str(os.getpid()))
+        event("waiting")
+        deadline = time.time() + 30
+        while not stopped and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(float(os.environ.get("STOP_SECONDS", "0")))
+        os.makedirs(os.path.join(checkpoints, "update-0000003"))
+        event("stopped")
+        sys.exit(75)
 if stage and stage == os.environ.get("SLOW_STAGE"):
     time.sleep(1)
 if stage and stage == os.environ.get("FAILING_STAGE"):
@@ -291,6 +325,91 @@ def test_a_failure_in_either_chain_stops_the_run(checkout):
     time.sleep(max(0.0, 2 - (time.monotonic() - started)))  # past the end of the slow stage, had it lived
     assert [what for what, stage, _, _ in events(checkout) if stage == "sft"] == ["start"]
     assert not stage_calls(calls, "dpo.py")
+
+
+def resumed_from(checkout, stage):
+    """What each run of a stage into runs/hello_world_<stage> resumed from (None: it started afresh)."""
+    lines = (checkout / f"runs/hello_world_{stage}/metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["resumed_from"] for line in lines]
+
+
+def start_until_stages_wait(checkout, environment, count):
+    """hello_world.sh started in a session of its own (the process group a terminal's Ctrl-C reaches),
+    once `count` of its STOP_STAGES wait for a signal."""
+    script = subprocess.Popen([BASH, "hello_world.sh"], cwd=checkout, env=environment, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while len([1 for what, *_ in (events(checkout) if (checkout / "events.jsonl").exists() else [])
+               if what == "waiting"]) < count:
+        assert time.monotonic() < deadline and script.poll() is None, script.communicate()
+        time.sleep(0.05)
+    return script
+
+
+def test_an_interrupted_run_resumes_its_stopped_stages_when_rerun(checkout):
+    """Ctrl-C while the reward model trains beside DPO (the whole foreground process group gets SIGINT,
+    as from a terminal): both stages write a checkpoint and exit 75, and so does the script, having
+    waited for the stage beside. The same command again resumes both (--resume, their run folders
+    kept), runs the rest, and deletes the checkpoints of the finished stages; --force instead
+    discards a checkpoint and starts that stage over."""
+    cores(checkout, 2)
+    record, events_file = checkout / "record.jsonl", checkout / "events.jsonl"
+    environment = {"PATH": f"{checkout / 'bin'}:/usr/bin:/bin", "RECORD": str(record), "HOME": str(checkout),
+                   "SIDE_BY_SIDE": "1", "EVENTS": str(events_file),
+                   "STOP_STAGES": "models/hello_world/reward_model models/hello_world/dpo"}
+    script = start_until_stages_wait(checkout, environment, 2)
+    os.killpg(script.pid, signal.SIGINT)
+    stdout, stderr = script.communicate(timeout=30)
+    assert script.returncode == 75, stderr
+    assert {stage for what, stage, *_ in events(checkout) if what == "stopped"} == {"reward_model", "dpo"}
+    for stage in ("reward_model", "dpo"):
+        assert (checkout / f"models/hello_world/{stage}/checkpoints/update-0000003").is_dir()
+    assert "== reward stopped with a checkpoint in models/hello_world/reward_model/checkpoints: rerun" in stderr
+    assert not (checkout / "models/hello_world/ppo").exists()
+
+    result, calls = run(checkout, 0, SIDE_BY_SIDE="1")
+    assert result.returncode == 0, result.stderr
+    for stage, run_folder in (("reward_model", "reward"), ("dpo", "dpo")):
+        assert f"== resuming the run stopped at models/hello_world/{stage}/checkpoints/update-0000003" in \
+            result.stdout + (checkout / "runs/hello_world_side_by_side.log").read_text()
+        assert resumed_from(checkout, run_folder) == [None, "update-0000003"]  # one run folder, continued
+        assert not (checkout / f"models/hello_world/{stage}/checkpoints").exists()
+    (rm,), (dpo_call,), (ppo,) = (stage_calls(calls, s) for s in ("reward.py", "dpo.py", "ppo_left_padding.py"))
+    assert rm[-1] == dpo_call[-1] == "--resume" and "--resume" not in ppo
+    assert not stage_calls(calls, "sft.py")  # finished before the stop: skipped
+
+    # --force: a stopped stage's checkpoint is discarded, said so, and the stage starts over
+    (checkout / "models/hello_world/ppo/checkpoints/update-0000002").mkdir(parents=True)
+    result, calls = run(checkout, 0, "--force", ALGOS="ppo")
+    assert result.returncode == 0, result.stderr
+    assert ("== --force: discarding the checkpoints of an earlier run in models/hello_world/ppo/checkpoints "
+            "(newest: update-0000002)") in result.stdout
+    assert all("--resume" not in call for call in calls) and resumed_from(checkout, "ppo") == [None]
+
+
+def test_a_stopped_stage_stops_the_chain_beside_after_its_checkpoint(checkout):
+    """SIGTERM to the reward model's stage alone (a failure or a stop in that chain): the script stops the
+    stage beside with SIGTERM and exits only once that stage has written its checkpoint (it takes a
+    second here), so that a rerun finds the checkpoint and the folder free."""
+    cores(checkout, 2)
+    environment = {"PATH": f"{checkout / 'bin'}:/usr/bin:/bin", "RECORD": str(checkout / "record.jsonl"),
+                   "HOME": str(checkout), "SIDE_BY_SIDE": "1", "EVENTS": str(checkout / "events.jsonl"),
+                   "STOP_STAGES": "models/hello_world/reward_model models/hello_world/dpo", "STOP_SECONDS": "1"}
+    script = start_until_stages_wait(checkout, environment, 2)
+    os.kill(int((checkout / "models/hello_world/reward_model/pid").read_text()), signal.SIGTERM)
+    _, stderr = script.communicate(timeout=30)
+    assert script.returncode == 75 and "== stopping the stage beside (pid" in stderr
+    assert (checkout / "models/hello_world/dpo/checkpoints/update-0000003").is_dir()
+
+
+def test_a_stage_that_cannot_resume_says_what_force_does(checkout):
+    """A checkpoint the stage refuses (another run's settings; here: a stage that fails) fails the run
+    naming the checkpoint and how to start over."""
+    (checkout / "models/hello_world/reward_model/checkpoints/update-0000001").mkdir(parents=True)
+    result, _ = run(checkout, 0, FAILING_STAGE="models/hello_world/reward_model")
+    assert result.returncode == 1
+    assert ("== reward failed resuming models/hello_world/reward_model/checkpoints/update-0000001; "
+            "--force discards that checkpoint and starts over") in result.stderr
 
 
 def test_data_only(checkout):
