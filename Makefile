@@ -6,16 +6,31 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test clean
 
+# poetry.lock's versions as pip constraints, one line per locked version with its markers, so each
+# Python gets the lock's own (lock_constraints.py writes it; `make constraints`).
+CONSTRAINTS := constraints.txt
+PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
+
 install: $(STAMP)
 
-# torch goes first and pinned: an unpinned torch (or one pulled in by deepspeed) would fetch the
-# newest CUDA build. --no-build-isolation lets deepspeed's sdist build against that torch.
-$(STAMP): pyproject.toml
+# Every pip call takes its versions from the lock: pip first (a new venv's own may predate --group),
+# then the build group (poetry-core, setuptools) with torch, then the project and its groups. torch
+# goes before the project, pinned by its constraint (pip takes a local CPU build of that version
+# where its find-links hold one): an unpinned torch, or one pulled in by deepspeed, would fetch the
+# newest CUDA build, hence the grep. --no-build-isolation lets deepspeed's sdist build against that
+# torch and the locked setuptools. A relock changes one of the three files, so the next make reinstalls.
+$(STAMP): pyproject.toml poetry.lock $(CONSTRAINTS)
+	@grep -q '^torch==' $(CONSTRAINTS) || { echo "$(CONSTRAINTS) pins no torch: make constraints" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -U pip setuptools wheel poetry-core
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-build-isolation -e . --group dev --group benchmark
+	$(PIP) pip
+	$(PIP) --group build torch
+	$(PIP) --no-build-isolation -e . --group dev --group benchmark
 	touch $(STAMP)
+
+# After a relock: constraints.txt from poetry.lock (docs/development.md#dependencies-and-poetrylock).
+.PHONY: constraints
+constraints:
+	$(PYTHON) lock_constraints.py
 
 # Two pytest-xdist workers, one test module each at a time (a module's trained models are built once),
 # in the order tests/conftest.py gives (the longest modules first), on one torch thread each: the tiny
@@ -48,9 +63,9 @@ clean:
 
 # Opt-in, not part of `make test`: the embedded default over tiny-s, -m, -l x seeds 1 2 3 (SFT, reward
 # model, PPO; hours on a 2-core CPU, docs/scaling.md has each chain's time), then the scaling plots
-# and the results table in eval/images/scaling/. Finished runs are reused; SIZES / SEEDS choose
-# others. Where a Slurm cluster answers, it submits the sbatches/ chain with TINY=1 instead (SLURM=0:
-# run here; scaling.sh).
+# and the results table in eval/images/scaling/. Finished runs are reused, stopped ones resumed;
+# SIZES / SEEDS choose others. Where a Slurm cluster answers, it submits the sbatches/ chain with
+# TINY=1 instead (SLURM=0: run here; scaling.sh).
 .PHONY: scaling
 scaling: install
 	./scaling.sh
