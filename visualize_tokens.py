@@ -189,14 +189,14 @@ def make_sample(args: Args, row: int, data: dict, sft, ppo, reward_model, tokeni
     for name, policy in (("sft", sft), ("ppo", ppo)):
         # the same seed for both policies: identical policies give identical responses
         group = SamplingGroup(query, args.temperature, derived_seed(args.seed, row))
-        ((response, _),) = decode(policy, [group], pad_id, args.response_length)
+        ((response, _),) = decode(policy, [group], pad_id, len(tokenizer), args.response_length)
         responses[name] = truncate_response(response, eos_id, pad_id)
     scores = {name: get_reward(reward_model, torch.cat([query, response], 1), pad_id).item()
               for name, response in (*responses.items(), ("reference", reference))}
     # both policies' logits for the PPO response, on the same context
     query_response = torch.cat([query, responses["ppo"]], 1)
     logits = [scaled_logits(forward(policy, query_response, pad_id)[:, query.shape[1] - 1: -1],
-                            args.logprob_temperature, pad_id)[0] for policy in (ppo, sft)]
+                            args.logprob_temperature, pad_id, len(tokenizer))[0] for policy in (ppo, sft)]
     ppo_tokens = responses["ppo"][0]
     ppo_tokens = ppo_tokens[ppo_tokens != pad_id]  # generation never samples [PAD]: only truncation made them
     length = len(ppo_tokens)

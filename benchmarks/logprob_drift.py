@@ -58,7 +58,7 @@ class Args:
 
 
 def load(args: Args, device: str) -> tuple:
-    """(fp32 policy, left-padded queries, pad id)."""
+    """(fp32 policy, left-padded queries, pad id, vocab_end: len(tokenizer), the first id no token has)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -72,9 +72,9 @@ def load(args: Args, device: str) -> tuple:
         if args.queries is None:
             raise SystemExit("--model is a checkpoint: give --queries, its tokenized SFT dataset (e.g. data/tldr/sft)")
         policy = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
-        pad_id = load_tokenizer(args.model).pad_token_id
+        tokenizer = load_tokenizer(args.model)
         queries = load_from_disk(args.queries)["validation"].with_format("torch")["query_token"][: args.rows]
-        return policy.to(device).eval(), queries.to(device), pad_id
+        return policy.to(device).eval(), queries.to(device), tokenizer.pad_token_id, len(tokenizer)
     import ppo_speed
 
     policy = AutoModelForCausalLM.from_config(ppo_speed.model_config(args.model)).to(device).eval()
@@ -82,29 +82,31 @@ def load(args: Args, device: str) -> tuple:
                             generator=torch.Generator().manual_seed(0))
     for i in range(args.rows):
         queries[i, : i * args.query_length // (2 * args.rows)] = ppo_speed.PAD_ID  # varied left padding
-    return policy, queries.to(device), ppo_speed.PAD_ID
+    return policy, queries.to(device), ppo_speed.PAD_ID, policy.config.vocab_size  # (every id decodes: ppo_speed)
 
 
-def response_logprobs(policy, query_responses: torch.Tensor, responses: torch.Tensor, pad_id: int) -> torch.Tensor:
+def response_logprobs(policy, query_responses: torch.Tensor, responses: torch.Tensor, pad_id: int,
+                      vocab_end: int) -> torch.Tensor:
     """The log-probabilities of `responses` at T 0.7 under `policy`, as the stages score them."""
     logits = ppo.response_logits(policy, query_responses, pad_id, responses.shape[1])
-    return ppo.gather_logprobs(ppo.scaled_logits(logits.float(), 0.7, pad_id), responses)
+    return ppo.gather_logprobs(ppo.scaled_logits(logits.float(), 0.7, pad_id, vocab_end), responses)
 
 
 @torch.no_grad()
 def drift_table(args: Args) -> list:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    policy, queries, pad_id = load(args, device)
-    ((responses, _),) = rollout.decode(policy, [rollout.SamplingGroup(queries, 0.7, 0)], pad_id, args.response_length)
+    policy, queries, pad_id, vocab_end = load(args, device)
+    ((responses, _),) = rollout.decode(policy, [rollout.SamplingGroup(queries, 0.7, 0)], pad_id, vocab_end,
+                                       args.response_length)
     query_responses = torch.cat([queries, responses], 1)
     scored = {}
     for name in args.dtypes:
         model = policy.to(DTYPES[name])
         try:
-            batch_n = response_logprobs(model, query_responses, responses, pad_id)
+            batch_n = response_logprobs(model, query_responses, responses, pad_id, vocab_end)
             batch_1 = torch.cat([  # each row alone, without its left padding
                 response_logprobs(model, row[(row[: queries.shape[1]] != pad_id).nonzero()[0, 0]:][None], response[None],
-                                  pad_id) for row, response in zip(query_responses, responses)])
+                                  pad_id, vocab_end) for row, response in zip(query_responses, responses)])
         except RuntimeError as error:  # e.g. a dtype this device's kernels do not run
             print(f"{name}: not run on {device} ({str(error).splitlines()[0]})")
             continue

@@ -227,13 +227,16 @@ def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0
                  logits_to_keep=logits_to_keep, return_dict=True).logits
 
 
-def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
-    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` can never
-    be sampled (its logit is suppressed)."""
+def generation_config(response_length: int, temperature: float, pad_id: int, vocab_end: int,
+                      embedding_rows: int) -> GenerationConfig:
+    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` and the ids
+    from `vocab_end` (len(tokenizer)) up to the model's `embedding_rows` (config.vocab_size), which no
+    token has and which decode to '', can never be sampled (their logits are suppressed), as in the
+    rollout engine."""
     return GenerationConfig(
         max_new_tokens=response_length, min_new_tokens=response_length, temperature=temperature + 1e-7,
         top_k=0, top_p=1.0, do_sample=True, eos_token_id=None, pad_token_id=None, bos_token_id=None,
-        suppress_tokens=[pad_id],
+        suppress_tokens=[pad_id, *range(vocab_end, embedding_rows)],
     )
 
 
@@ -384,14 +387,17 @@ def evaluate_pairs(args: Args, accelerator: Accelerator, model, ref_policy, pad_
 
 
 @torch.no_grad()
-def generation_table(accelerator: Accelerator, model, tokenizer, dataloader, gen_config) -> pd.DataFrame:
-    """The policy's response to every query of a split, truncated after EOS, next to the reference:
-    the table eval/ judges. Gathered without the duplicates that sharding pads the last batch with."""
+def generation_table(args: Args, accelerator: Accelerator, model, tokenizer, dataloader) -> pd.DataFrame:
+    """The policy's response (at `args.temperature`) to every query of a split, truncated after EOS, next
+    to the reference: the table eval/ judges. Gathered without the duplicates that sharding pads the last
+    batch with."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     unwrapped = accelerator.unwrap_model(model)
+    config = generation_config(args.response_length, args.temperature, pad_id, len(tokenizer),
+                               unwrapped.config.vocab_size)
     rows = []
     for batch in dataloader:
-        responses = truncate_response(generate(unwrapped, batch["query_token"], pad_id, gen_config), eos_id, pad_id)
+        responses = truncate_response(generate(unwrapped, batch["query_token"], pad_id, config), eos_id, pad_id)
         rows += accelerator.gather_for_metrics([
             {"query": q, "postprocessed_response": r, "reference_responses": ref}
             for q, r, ref in zip(
@@ -541,10 +547,9 @@ def main(args: Args) -> None:
             logger.log(metrics, global_step)
             run.print(f"{split}: implicit-reward accuracy {metrics[f'eval/rm/{split}/accuracy']:.4f} over "
                       f"{len(table)} pairs")
-        gen_config = generation_config(args.response_length, args.temperature, pad_id)
         for split, loader in query_loaders.items():
-            table = generation_table(accelerator, model, tokenizer, run.progress(
-                loader, len(loader), f"generation {split}", stoppable=True), gen_config)
+            table = generation_table(args, accelerator, model, tokenizer, run.progress(
+                loader, len(loader), f"generation {split}", stoppable=True))
             logger.table(f"{split}_table", table)
             run.print(f"{split}: {len(table)} responses, e.g. {table.iloc[0]['postprocessed_response']!r}")
     run.save(model, tokenizer, unwrapped, functools.partial(load_policy, args.sft_model_path, tokenizer))

@@ -117,7 +117,7 @@ def evaluate_policy(accelerator, policy, reward_model, tokenizer, dataloader, te
     for batch_index, batch in enumerate(dataloader):
         group = final_eval_group(batch["query_token"], temperature, seed, batch_index, accelerator)
         with accelerator.autocast():
-            ((responses, _),) = decode(policy, [group], tokenizer.pad_token_id, response_length)
+            ((responses, _),) = decode(policy, [group], tokenizer.pad_token_id, len(tokenizer), response_length)
         local_rows, _, _ = score_responses(accelerator, reward_model, tokenizer, batch["query_token"], responses,
                                            batch["reference_response_token"])
         rows += accelerator.gather_for_metrics(local_rows, use_gather_object=True)

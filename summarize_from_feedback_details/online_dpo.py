@@ -41,8 +41,9 @@ Choices, with their sources:
 
 Where this file differs from the Async RLHF code: each generation chunk's sampling noise is seeded from
 (seed, update, position in the global batch, sample), so one process and N draw the same responses
-(theirs: each rank's global torch stream); `[PAD]` is never sampled; statistics cover real tokens of the
-global batch (their `objective/entropy` counted -1 per position after the EOS, `num_eos_tokens` counted
+(theirs: each rank's global torch stream); `[PAD]` and the ids past `len(tokenizer)` (embedding rows no
+token has) are never sampled and have probability 0 in the loss's logprobs; statistics cover real tokens
+of the global batch (their `objective/entropy` counted -1 per position after the EOS, `num_eos_tokens` counted
 rank 0's EOS tokens, junk after the first included); one step per batch is the only choice (their
 `num_ppo_epochs` / `num_mini_batches` allowed more). The loss normalisation is theirs in effect: their
 mean per micro-batch, averaged by accelerate, is the global mean, every micro-batch holding as many pairs.
@@ -287,13 +288,15 @@ def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0
                  logits_to_keep=logits_to_keep, return_dict=True).logits
 
 
-def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int) -> torch.Tensor:
-    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` impossible, the
-    same operations HF's temperature and suppress-tokens processors apply in generation. The
-    lowest float instead of -inf gives the same softmax and keeps the entropy finite."""
+def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int, vocab_end: int) -> torch.Tensor:
+    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` and the ids at or beyond
+    `vocab_end` (len(tokenizer): embedding rows no token has, which RL can make likely) impossible, as
+    the rollout engine samples them: the same operations HF's temperature and suppress-tokens processors
+    apply in generation. The lowest float instead of -inf gives the same softmax and keeps the entropy
+    finite."""
     logits = logits.float() / (temperature + 1e-7)
-    is_pad = torch.arange(logits.shape[-1], device=logits.device) == pad_id
-    return logits.masked_fill(is_pad, torch.finfo(logits.dtype).min)
+    ids = torch.arange(logits.shape[-1], device=logits.device)
+    return logits.masked_fill((ids == pad_id) | (ids >= vocab_end), torch.finfo(logits.dtype).min)
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -339,12 +342,13 @@ def chosen_samples(scores: torch.Tensor) -> torch.Tensor:
 
 
 def response_logprob_sums(model, query_responses: torch.Tensor, responses: torch.Tensor, temperature: float,
-                          eos_id: int, pad_id: int) -> torch.Tensor:
+                          eos_id: int, pad_id: int, vocab_end: int) -> torch.Tensor:
     """Each row's log-probability of its response under `model` at `temperature` (`scaled_logits`): summed
     over the tokens up to and including the first EOS (every token where there is none), as DPO sums
     over the response and EOS of a preference pair."""
     logits = response_logits(model, query_responses, pad_id, responses.shape[1])
-    return masked_sums(gather_logprobs(scaled_logits(logits, temperature, pad_id), responses), responses, eos_id)
+    logprobs = gather_logprobs(scaled_logits(logits, temperature, pad_id, vocab_end), responses)
+    return masked_sums(logprobs, responses, eos_id)
 
 
 def masked_sums(values: torch.Tensor, responses: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -437,7 +441,7 @@ def main(args: Args) -> None:
                                f"{args.label_smoothing}", f"offload {args.offload}")
 
     tokenizer = load_tokenizer(args.base_model, args.query_dataset)
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id, eos_id, vocab_end = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
     model, ref_policy, reward_model = load_online_dpo_models(run, tokenizer)
     optimizer = make_optimizer(args, model)
 
@@ -500,7 +504,7 @@ def main(args: Args) -> None:
                           derived_seed(args.seed, 0, update, rank * local_queries + i, sample))
             for i in range(0, local_queries, fwd_batch) for sample in (0, 1)]
         with timer("generation"), accelerator.autocast():
-            generated = decode_in_batches(unwrapped, validation_groups + rollout_groups, pad_id,
+            generated = decode_in_batches(unwrapped, validation_groups + rollout_groups, pad_id, vocab_end,
                                           args.response_length, args.local_generation_batch_size, compiled_step)
         validation_generated, rollout_generated = generated[:len(validation_groups)], generated[len(validation_groups):]
 
@@ -539,7 +543,7 @@ def main(args: Args) -> None:
             # chosen then rejected in one forward; the reference reads the same rows in the same shape
             micro = torch.cat([chosen_rows[micro_start: micro_start + pairs_per_micro],
                                rejected_rows[micro_start: micro_start + pairs_per_micro]])
-            inputs = (query_responses[micro], responses[micro], temperature, eos_id, pad_id)
+            inputs = (query_responses[micro], responses[micro], temperature, eos_id, pad_id, vocab_end)
             with torch.no_grad(), timer("reference_forward"), accelerator.autocast(), \
                     reference_policy(unwrapped, ref_policy) as reference:
                 ref_chosen, ref_rejected = response_logprob_sums(reference, *inputs).chunk(2)

@@ -32,8 +32,11 @@ behaviour stays reachable where it changes results):
 - each PPO epoch permutes the global batch from (seed, update, epoch) and every process trains on
   its share of each minibatch (the paper permuted each rank's own rollouts with the rank's numpy
   stream, so with --nminibatches > 1 a minibatch held other rows on another process count);
-- `[PAD]` is never sampled (its logit is masked in generation and, identically, in every forward
-  that computes logprobs, so the ratio is exactly that of the sampling distribution).
+- `[PAD]` is never sampled, nor any id at or beyond `len(tokenizer)`: the embedding rows no token
+  has (Pythia 26, Qwen2.5/3 270 beside the `[PAD]`), which decode to '' and which RL can make likely
+  (NeMo-RL#237). Their logits are masked in generation and, identically, in every forward that
+  computes logprobs (policy and reference), so the ratio and the KL are exactly those of the sampling
+  distribution.
 
 Only the policy is saved (`--output_dir`): a plain causal LM plus tokenizer. With DeepSpeed, policy
 + critic train under the accelerate config (ZeRO-2); the frozen reference and reward model become
@@ -302,13 +305,15 @@ def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0
                  logits_to_keep=logits_to_keep, return_dict=True).logits
 
 
-def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int) -> torch.Tensor:
-    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` impossible, the
-    same operations HF's temperature and suppress-tokens processors apply in generation. The
-    lowest float instead of -inf gives the same softmax and keeps the entropy finite."""
+def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int, vocab_end: int) -> torch.Tensor:
+    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` and the ids at or beyond
+    `vocab_end` (len(tokenizer): embedding rows no token has, which RL can make likely) impossible, as
+    the rollout engine samples them: the same operations HF's temperature and suppress-tokens processors
+    apply in generation. The lowest float instead of -inf gives the same softmax and keeps the entropy
+    finite."""
     logits = logits.float() / (temperature + 1e-7)
-    is_pad = torch.arange(logits.shape[-1], device=logits.device) == pad_id
-    return logits.masked_fill(is_pad, torch.finfo(logits.dtype).min)
+    ids = torch.arange(logits.shape[-1], device=logits.device)
+    return logits.masked_fill((ids == pad_id) | (ids >= vocab_end), torch.finfo(logits.dtype).min)
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -602,7 +607,7 @@ def main(args: Args) -> None:
                                f"offload {args.offload}")
 
     tokenizer = load_tokenizer(args.base_model, args.query_dataset)
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id, eos_id, vocab_end = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
     model, ref_policy, reward_model = load_models(run, tokenizer)
     optimizer = make_optimizer(args, model)
 
@@ -666,7 +671,7 @@ def main(args: Args) -> None:
                           derived_seed(args.seed, 0, update, rank * args.local_batch_size + i))
             for i in range(0, args.local_batch_size, fwd_batch)]
         with timer("generation"), accelerator.autocast():
-            generated = decode_in_batches(unwrapped.policy, validation_groups + rollout_groups, pad_id,
+            generated = decode_in_batches(unwrapped.policy, validation_groups + rollout_groups, pad_id, vocab_end,
                                           args.response_length, args.local_generation_batch_size, compiled_step)
         validation_generated, rollout_generated = generated[:len(validation_groups)], generated[len(validation_groups):]
 
@@ -684,7 +689,7 @@ def main(args: Args) -> None:
                     # the reference sees the raw response, with the same temperature scaling
                     with reference_policy(unwrapped.policy, ref_policy) as reference:
                         ref_logits = response_logits(reference, query_response, pad_id, response.shape[1])
-                    ref_logprob = gather_logprobs(scaled_logits(ref_logits, temperature, pad_id), response)
+                    ref_logprob = gather_logprobs(scaled_logits(ref_logits, temperature, pad_id, vocab_end), response)
                     del ref_logits
                 with timer("value_forward"), accelerator.autocast():
                     # values[t] = V(query + response[:t]), on the raw response
@@ -738,7 +743,7 @@ def main(args: Args) -> None:
                         policy_mask, value_mask = ~padding_mask[micro], ~padding_mask_p1[micro]
                         with accelerator.accumulate(model):
                             logits, vpred = model(query_responses[micro], responses.shape[1])
-                            new_logits = scaled_logits(logits, temperature, pad_id)
+                            new_logits = scaled_logits(logits, temperature, pad_id, vocab_end)
                             del logits
                             new_logprobs = gather_logprobs(new_logits, responses[micro]).masked_fill(
                                 padding_mask[micro], INVALID_LOGPROB)

@@ -40,8 +40,8 @@ both length and std normalisation: token losses summed and divided by the consta
 advantage = r - group mean.
 
 Where this file deliberately differs (PPO's deviations from the paper's code hold here too: global
-minibatches, statistics over real tokens only, `[PAD]` never sampled, a validation score on new queries every
-update; see ppo_left_padding.py):
+minibatches, statistics over real tokens only, `[PAD]` and the ids past `len(tokenizer)` never sampled, a
+validation score on new queries every update; see ppo_left_padding.py):
 - TRL laid a process's episodes out sample-major (its queries repeated k times) and permuted them per process; here
   episode row q * k + j of the global batch is sample j of global query q on any process count, a query's k samples are
   drawn on one process from seeds fixed by (seed, update, place of its chunk in the global batch, j), and advantages
@@ -330,13 +330,15 @@ def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0
                  logits_to_keep=logits_to_keep, return_dict=True).logits
 
 
-def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int) -> torch.Tensor:
-    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` impossible, the
-    same operations HF's temperature and suppress-tokens processors apply in generation. The
-    lowest float instead of -inf gives the same softmax and keeps the entropy finite."""
+def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int, vocab_end: int) -> torch.Tensor:
+    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` and the ids at or beyond
+    `vocab_end` (len(tokenizer): embedding rows no token has, which RL can make likely) impossible, as
+    the rollout engine samples them: the same operations HF's temperature and suppress-tokens processors
+    apply in generation. The lowest float instead of -inf gives the same softmax and keeps the entropy
+    finite."""
     logits = logits.float() / (temperature + 1e-7)
-    is_pad = torch.arange(logits.shape[-1], device=logits.device) == pad_id
-    return logits.masked_fill(is_pad, torch.finfo(logits.dtype).min)
+    ids = torch.arange(logits.shape[-1], device=logits.device)
+    return logits.masked_fill((ids == pad_id) | (ids >= vocab_end), torch.finfo(logits.dtype).min)
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -595,7 +597,7 @@ def main(args: Args) -> None:
                                f"offload {args.offload}")
 
     tokenizer = load_tokenizer(args.base_model, args.query_dataset)
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id, eos_id, vocab_end = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
     policy, ref_policy, reward_model = load_rloo_models(run, tokenizer)
     optimizer = make_optimizer(args, policy)
 
@@ -652,7 +654,7 @@ def main(args: Args) -> None:
                                                                                rank * local_queries + i, j))
             for i in range(0, local_queries, fwd_batch) for j in range(k)]
         with timer("generation"), accelerator.autocast():
-            generated = decode_in_batches(unwrapped, validation_groups + rollout_groups, pad_id, length,
+            generated = decode_in_batches(unwrapped, validation_groups + rollout_groups, pad_id, vocab_end, length,
                                           args.local_generation_batch_size, compiled_step)
         validation_generated, rollout_generated = generated[:len(validation_groups)], generated[len(validation_groups):]
 
@@ -669,7 +671,7 @@ def main(args: Args) -> None:
                     # the reference sees the raw response, with the same temperature scaling
                     with reference_policy(unwrapped, ref_policy) as reference:
                         ref_logits = response_logits(reference, query_response, pad_id, length)
-                    ref_logprob = gather_logprobs(scaled_logits(ref_logits, temperature, pad_id), response)
+                    ref_logprob = gather_logprobs(scaled_logits(ref_logits, temperature, pad_id, vocab_end), response)
                     del ref_logits
                 with timer("reward_forward"), accelerator.autocast():
                     # the reward model scores the EOS-truncated response at its EOS
@@ -716,7 +718,7 @@ def main(args: Args) -> None:
                         mask = ~padding_mask[micro]
                         with accelerator.accumulate(model):
                             new_logits = scaled_logits(response_logits(model, query_responses[micro], pad_id, length),
-                                                       temperature, pad_id)
+                                                       temperature, pad_id, vocab_end)
                             new_logprobs = gather_logprobs(new_logits, responses[micro])
                             losses, kl_losses, logratio, ratio, clipped, units = policy_objective(
                                 new_logprobs, logprobs[micro], ref_logprobs[micro], advantages[micro], mask, args)

@@ -1,12 +1,14 @@
 """The rollout engine: batched sampling of `response_length` tokens from a causal LM.
 
 Its contract: each `SamplingGroup` samples exactly what HF `generate` samples for that group alone,
-from the same seed, temperature and `[PAD]` suppression (tested against HF generate on GPT-NeoX and
-GPT-2, greedy included, with any packing of groups into batches). What a run samples is decided by
-the stage: which queries form a group, at which temperature, from which seed. The engine only makes
-it fast: a prefill into a preallocated (static) KV cache, then one token per step through the
-model's own forward, many groups in one batch, and on a GPU the step under torch.compile with CUDA
-graphs (`CompiledStep`). Nothing here changes a result: the engine changes no sample.
+from the same seed, temperature and suppressed ids, `[PAD]` and every id at or beyond `vocab_end`
+(`len(tokenizer)`: embedding rows no token has), tested against HF generate on GPT-NeoX, GPT-2 and
+a Qwen3-style model with spare rows, greedy included, with any packing of groups into batches. What
+a run samples is decided by the stage: which queries form a group, at which temperature, from which
+seed, which ids it suppresses. The engine only makes it fast: a prefill into a preallocated (static)
+KV cache, then one token per step through the model's own forward, many groups in one batch, and on
+a GPU the step under torch.compile with CUDA graphs (`CompiledStep`). Nothing here changes a result:
+the engine changes no sample.
 """
 
 import warnings
@@ -128,7 +130,7 @@ def compiled_step_for(model, compile_decode: bool, device: torch.device, autocas
 
 
 @torch.no_grad()
-def decode(model, groups: list, pad_id: int, response_length: int,
+def decode(model, groups: list, pad_id: int, vocab_end: int, response_length: int,
            compiled_step: Optional[CompiledStep] = None) -> list:
     """`sample_batch` with `compiled_step`'s compiled forward where it can serve: not under autocast
     (which needs a growing cache), not after it was given up. Every compiled decode falls back to
@@ -136,26 +138,27 @@ def decode(model, groups: list, pad_id: int, response_length: int,
     again after any dynamo reset."""
     if compiled_step is None or compiled_step.failure is not None or torch.is_autocast_enabled(
             groups[0].queries.device.type):
-        return sample_batch(model, groups, pad_id, response_length)
+        return sample_batch(model, groups, pad_id, vocab_end, response_length)
     shape = (sum(len(g.queries) for g in groups), max(g.queries.shape[1] for g in groups) + response_length)
     try:  # (every call: a shape that ran compiles again after a dynamo reset, as compile_train's fallback makes)
-        results = sample_batch(model, groups, pad_id, response_length, compiled_step)
+        results = sample_batch(model, groups, pad_id, vocab_end, response_length, compiled_step)
     except Exception as error:  # any failure of the compiler or of the toolchain it calls
         compiled_step.give_up(error)
-        return sample_batch(model, groups, pad_id, response_length)
+        return sample_batch(model, groups, pad_id, vocab_end, response_length)
     compiled_step.shapes_run.add(shape)
     return results
 
 
 @torch.no_grad()
-def sample_batch(model, groups: list, pad_id: int, response_length: int,
+def sample_batch(model, groups: list, pad_id: int, vocab_end: int, response_length: int,
                  compiled_step: Optional[CompiledStep] = None) -> list:
     """Samples `response_length` tokens for every group in one batch: a prefill of the left-padded
     queries into a preallocated (static) KV cache, then one token per step through the model's own
     forward (`compiled_step`'s compiled one if given). Returns (responses, logprobs) per group;
     logprobs are those of the sampled tokens under the distribution they were drawn from, fp32
-    logits / (T + 1e-7) with `[PAD]` at -inf: what `scaled_logits` computes in the training forward
-    (so the first PPO ratio is 1 up to float noise) and exactly HF generate's processed scores. Each
+    logits / (T + 1e-7) with `[PAD]` and the ids at or beyond `vocab_end` at -inf: what
+    `scaled_logits` computes in the training forward (so the first PPO ratio is 1 up to float noise)
+    and exactly HF generate's processed scores with those ids in `suppress_tokens`. Each
     group draws with torch.multinomial from its own generator, as HF generate does from the global
     one: a group samples what HF generate would sample for it alone under torch.manual_seed(seed),
     whatever else shares the batch."""
@@ -189,7 +192,10 @@ def sample_batch(model, groups: list, pad_id: int, response_length: int,
     for step in range(response_length):
         # a copy: a CUDA graph's output buffer is overwritten by its next replay
         scores = output.logits[:, -1].to(torch.float32, copy=True)
-        scores[:, pad_id] = float("-inf")  # [PAD] is never sampled
+        # never sampled: [PAD], and the embedding rows past the tokenizer (Qwen2.5/3: 270 beside the [PAD]
+        # the loader adds, Pythia 26), which decode to '' and which RL can make likely (NeMo-RL#237)
+        scores[:, pad_id] = float("-inf")
+        scores[:, vocab_end:] = float("-inf")
         scores = scores / (temperature[:, None] + 1e-7)
         probs = torch.softmax(scores, -1)
         token = torch.cat([torch.multinomial(rows, 1, generator=generator)
@@ -213,7 +219,7 @@ def static_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> in
     return 2 * config.num_hidden_layers * rows * heads * length * head_dim * dtype.itemsize
 
 
-def decode_in_batches(model, groups: list, pad_id: int, response_length: int, batch_size: int,
+def decode_in_batches(model, groups: list, pad_id: int, vocab_end: int, response_length: int, batch_size: int,
                       compiled_step: Optional[CompiledStep] = None) -> list:
     """`decode` over consecutive groups packed whole into batches of at most `batch_size` rows (a
     group larger than that alone): a memory knob that changes no sample. With `compiled_step`, a
@@ -232,7 +238,7 @@ def decode_in_batches(model, groups: list, pad_id: int, response_length: int, ba
     for batch in batches:
         filler = rows - sum(len(g.queries) for g in batch) if compiled_step is not None else 0
         filled = batch + [SamplingGroup(batch[0].queries[:1].repeat(filler, 1), 1.0, 0)] if filler else batch
-        results += decode(model, filled, pad_id, response_length, compiled_step)[:len(batch)]
+        results += decode(model, filled, pad_id, vocab_end, response_length, compiled_step)[:len(batch)]
     if compiled_step is not None and not compiled_step.keep_caches:
         compiled_step.release()
     return results

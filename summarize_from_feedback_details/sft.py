@@ -197,13 +197,16 @@ def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0
                  logits_to_keep=logits_to_keep, return_dict=True).logits
 
 
-def generation_config(response_length: int, temperature: float, pad_id: int) -> GenerationConfig:
-    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` can never
-    be sampled (its logit is suppressed)."""
+def generation_config(response_length: int, temperature: float, pad_id: int, vocab_end: int,
+                      embedding_rows: int) -> GenerationConfig:
+    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` and the ids
+    from `vocab_end` (len(tokenizer)) up to the model's `embedding_rows` (config.vocab_size), which no
+    token has and which decode to '', can never be sampled (their logits are suppressed), as in the
+    rollout engine."""
     return GenerationConfig(
         max_new_tokens=response_length, min_new_tokens=response_length, temperature=temperature + 1e-7,
         top_k=0, top_p=1.0, do_sample=True, eos_token_id=None, pad_token_id=None, bos_token_id=None,
-        suppress_tokens=[pad_id],
+        suppress_tokens=[pad_id, *range(vocab_end, embedding_rows)],
     )
 
 
@@ -275,12 +278,14 @@ def rouge_scores(predictions: list, references: list) -> dict:
 
 
 @torch.no_grad()
-def evaluate(args: Args, accelerator: Accelerator, model, tokenizer, dataloader, gen_config,
+def evaluate(args: Args, accelerator: Accelerator, model, tokenizer, dataloader,
              max_batches: Optional[int] = None) -> tuple:
-    """Loss on query+reference, generation truncated after EOS, ROUGE; gathered without the
-    duplicates that sharding pads the last batch with."""
+    """Loss on query+reference, generation (at `args.temperature`) truncated after EOS, ROUGE; gathered
+    without the duplicates that sharding pads the last batch with."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     unwrapped = accelerator.unwrap_model(model)
+    config = generation_config(args.response_length, args.temperature, pad_id, len(tokenizer),
+                               unwrapped.config.vocab_size)
     loss_sums, counts, rows = [], [], []
     for i, batch in enumerate(dataloader):
         if max_batches is not None and i >= max_batches:
@@ -288,7 +293,7 @@ def evaluate(args: Args, accelerator: Accelerator, model, tokenizer, dataloader,
         qr = batch["query_reference_response_token"]
         labels = batch["query_reference_response_token_response_label"] if args.response_only_loss else qr
         loss_sum, count = label_losses(model, qr, labels, pad_id)
-        responses = truncate_response(generate(unwrapped, batch["query_token"], pad_id, gen_config), eos_id, pad_id)
+        responses = truncate_response(generate(unwrapped, batch["query_token"], pad_id, config), eos_id, pad_id)
         loss_sum, count = accelerator.gather_for_metrics((loss_sum, count))
         loss_sums.append(loss_sum.cpu())
         counts.append(count.cpu())
@@ -355,7 +360,6 @@ def main(args: Args) -> None:
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     eval_loaders = {s: accelerator.prepare(dl) for s, dl in eval_loaders.items()}
     checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [scheduler])
-    gen_config = generation_config(args.response_length, args.temperature, pad_id)
     label_column = TRAIN_COLUMNS[1] if args.response_only_loss else TRAIN_COLUMNS[0]
 
     model.train()
@@ -397,7 +401,7 @@ def main(args: Args) -> None:
         if args.print_sample_output_freq and update % args.print_sample_output_freq == 0 and "validation" in eval_loaders:
             model.eval()
             sample_metrics, table = evaluate(args, accelerator, model, tokenizer, eval_loaders["validation"],
-                                             gen_config, max_batches=1)
+                                             max_batches=1)
             model.train()
             logger.table(f"samples_{update}", table)
             run.print(f"update {update}: loss {metrics['train/sft/loss']:.4f}; "
@@ -408,7 +412,7 @@ def main(args: Args) -> None:
         model.eval()
         for split, loader in eval_loaders.items():
             eval_metrics, table = evaluate(args, accelerator, model, tokenizer, run.progress(
-                loader, len(loader), f"eval {split}", stoppable=True), gen_config)
+                loader, len(loader), f"eval {split}", stoppable=True))
             logger.log({f"{split}/sft/{'rouge/' if k.startswith('rouge') else ''}{k}": v
                         for k, v in eval_metrics.items()}, update)
             logger.table(f"{split}_table", table)

@@ -208,12 +208,13 @@ def bf16_drift(model_dir: str, sft_data: str, device: str) -> dict:
     from datasets import load_from_disk
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     queries = torch.tensor(load_from_disk(sft_data)["validation"][:8]["query_token"], device=device)
-    ((responses, _),) = rollout.decode(policy, [rollout.SamplingGroup(queries, 0.7, 0)], 1, 53)
+    vocab_end = policy.config.vocab_size  # (the tiny default's rows: its tokenizer's len, [PAD] included)
+    ((responses, _),) = rollout.decode(policy, [rollout.SamplingGroup(queries, 0.7, 0)], 1, vocab_end, 53)
     query_responses = torch.cat([queries, responses], 1)
 
     def logprobs(model):
         logits = ppo_left_padding.response_logits(model, query_responses, 1, 53)
-        return ppo_left_padding.gather_logprobs(ppo_left_padding.scaled_logits(logits, 0.7, 1), responses)
+        return ppo_left_padding.gather_logprobs(ppo_left_padding.scaled_logits(logits, 0.7, 1, vocab_end), responses)
 
     fp32 = logprobs(policy)
     delta = (logprobs(policy.to(torch.bfloat16)) - fp32).abs()
@@ -305,6 +306,7 @@ def test_cuda_graph_decode_step_samples_what_eager_decode_samples(tokenizer_dir,
     queries[:3, :20] = 1  # [PAD]: left padding
     groups = [rollout.SamplingGroup(queries[:4], 0.7, 1), rollout.SamplingGroup(queries[4:], 0.7, 2)]
     compiled_step = rollout.CompiledStep(model, mode="reduce-overhead")
+    rows = model.config.vocab_size  # (every row a token)
 
     def same(a, b):
         return all(torch.equal(ta, tb) and (la - lb).abs().max() < 1e-3 for (ta, la), (tb, lb) in zip(a, b))
@@ -313,16 +315,16 @@ def test_cuda_graph_decode_step_samples_what_eager_decode_samples(tokenizer_dir,
     seconds = []
     for _ in range(3):
         start = time.time()
-        compiled = rollout.decode(model, groups, 1, 53, compiled_step)
+        compiled = rollout.decode(model, groups, 1, rows, 53, compiled_step)
         torch.cuda.synchronize()
         seconds.append(time.time() - start)
-        assert same(rollout.decode(model, groups, 1, 53), compiled)
+        assert same(rollout.decode(model, groups, 1, rows, 53), compiled)
     assert counters["inductor"]["cudagraph_skips"] == 0 and counters["stats"]["unique_graphs"] == 1
     assert seconds[2] < seconds[0] / 2
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(1.01)
-    assert same(rollout.decode(model, groups, 1, 53), rollout.decode(model, groups, 1, 53, compiled_step))
+    assert same(rollout.decode(model, groups, 1, rows, 53), rollout.decode(model, groups, 1, rows, 53, compiled_step))
     print(f"\n[gpu] decode of 8 x (64 + 53) tokens, compiled step: {seconds[0]:.1f} s with the compile, then "
           f"{seconds[1] * 1000:.0f} / {seconds[2] * 1000:.0f} ms", file=sys.stderr)
 

@@ -93,13 +93,13 @@ def test_response_logprobs_are_those_of_the_sampling_distribution():
     model = tiny_lm()
     queries = torch.randint(2, 40, (6, 6), generator=torch.Generator().manual_seed(1))
     queries[1, :3] = PAD
-    ((responses, logprobs),) = rollout.decode(model, [rollout.SamplingGroup(queries, 0.7, 6)], PAD, 12)
+    ((responses, logprobs),) = rollout.decode(model, [rollout.SamplingGroup(queries, 0.7, 6)], PAD, 40, 12)
     ends = (responses == EOS).any(1)
     assert ends.any() and not ends.all()  # (the mask takes part)
     query_responses = torch.cat([queries, responses], 1)
     with torch.no_grad():
-        sums = online_dpo.response_logprob_sums(model, query_responses, responses, 0.7, EOS, PAD)
-        at_one = online_dpo.response_logprob_sums(model, query_responses, responses, 1.0, EOS, PAD)
+        sums = online_dpo.response_logprob_sums(model, query_responses, responses, 0.7, EOS, PAD, 40)
+        at_one = online_dpo.response_logprob_sums(model, query_responses, responses, 1.0, EOS, PAD, 40)
         logits = online_dpo.forward(model, query_responses, PAD)[:, 5:-1]
     assert torch.allclose(sums, online_dpo.masked_sums(logprobs, responses, EOS), atol=1e-4)
     own = torch.log_softmax(logits.masked_fill(torch.arange(40) == PAD, -torch.inf), -1)
@@ -235,7 +235,7 @@ def first_update_pairs(args: online_dpo.Args, quick_eval_data) -> tuple:
     sft = loading.load_policy(args.sft_model_path, tokenizer).eval()
     groups = [rollout.SamplingGroup(queries[i: i + 8], 0.7, rollout.derived_seed(args.seed, 0, 1, i, sample))
               for i in (0, 8) for sample in (0, 1)]
-    decoded = rollout.decode_in_batches(sft, groups, PAD, 32, 16)
+    decoded = rollout.decode_in_batches(sft, groups, PAD, len(tokenizer), 32, 16)
     responses, logprobs = (torch.stack([torch.cat(x[0::2]), torch.cat(x[1::2])], 1).flatten(0, 1)  # rows 2q + s
                            for x in zip(*decoded))
     query_responses = torch.cat([queries.repeat_interleave(2, 0), responses], 1)
@@ -271,7 +271,8 @@ def test_the_first_step_trains_on_the_reward_models_choice_and_separates_those_p
     policy.load_state_dict(state["model"])
     rows = 2 * torch.arange(16) + chosen, 2 * torch.arange(16) + 1 - chosen
     with torch.no_grad():
-        sums = [[online_dpo.response_logprob_sums(model, query_responses[r], responses[r], 0.7, EOS, PAD) for r in rows]
+        sums = [[online_dpo.response_logprob_sums(model, query_responses[r], responses[r], 0.7, EOS, PAD,
+                                                  len(tokenizer)) for r in rows]
                 for model in (policy, reference)]
     losses = online_dpo.dpo_losses(*sums[0], *sums[1], 0.1, 0.0, False)
     chosen_rewards, rejected_rewards = (online_dpo.implicit_rewards(sums[0][i], sums[1][i], 0.1) for i in (0, 1))

@@ -342,7 +342,8 @@ def test_minibatch_rows_are_the_same_minibatches_on_any_process_count():
 def hf_samples(model, queries, temperature, seed, length):
     """What HF generate samples for `queries` alone under torch.manual_seed(seed)."""
     torch.manual_seed(seed)
-    return sft.generate(model, queries, PAD, sft.generation_config(length, temperature, PAD))
+    rows = model.config.vocab_size  # (every row a token: nothing past the tokenizer to suppress)
+    return sft.generate(model, queries, PAD, sft.generation_config(length, temperature, PAD, rows, rows))
 
 
 @pytest.mark.parametrize("kind", ["gpt_neox", "gpt2", "llama"])
@@ -365,7 +366,7 @@ def test_decode_samples_what_hf_generate_samples(kind, one_thread):
         rows[i, :pad] = PAD
     groups = [rollout.SamplingGroup(rows[:3], 0.7, 11), rollout.SamplingGroup(rows[3:5, 2:], 0.01, 12),
               rollout.SamplingGroup(rows[5:], 0.0, 13)]
-    decoded = rollout.decode(model, groups, PAD, 12)
+    decoded = rollout.decode(model, groups, PAD, 40, 12)
     for group, (responses, logprobs) in zip(groups, decoded):
         assert torch.equal(responses, hf_samples(model, group.queries, group.temperature, group.seed, 12))
         assert logprobs.shape == responses.shape and (logprobs <= 0).all()
@@ -375,7 +376,7 @@ def test_decode_samples_what_hf_generate_samples(kind, one_thread):
                             suppress_tokens=[PAD])[:, 9:]
     assert torch.equal(decoded[2][0], greedy)
     for batch_size in (1, 3, 4, 100):
-        packed = rollout.decode_in_batches(model, groups, PAD, 12, batch_size)
+        packed = rollout.decode_in_batches(model, groups, PAD, 40, 12, batch_size)
         for (a, la), (b, lb) in zip(decoded, packed, strict=True):
             assert torch.equal(a, b) and torch.allclose(la, lb, atol=1e-5)
 
@@ -439,20 +440,21 @@ def test_compiled_decode_step_samples_what_eager_decode_samples(one_thread):
         for (ta, la), (tb, lb) in zip(a, b, strict=True):
             assert torch.equal(ta, tb) and torch.allclose(la, lb, atol=1e-6)
 
-    assert_same(rollout.decode(model, groups, PAD, 12), rollout.decode(model, groups, PAD, 12, compiled_step))
-    assert_same(rollout.decode(model, groups, PAD, 12), rollout.decode(model, groups, PAD, 12, compiled_step))
+    assert_same(rollout.decode(model, groups, PAD, 40, 12), rollout.decode(model, groups, PAD, 40, 12, compiled_step))
+    assert_same(rollout.decode(model, groups, PAD, 40, 12), rollout.decode(model, groups, PAD, 40, 12, compiled_step))
     assert counters["stats"]["unique_graphs"] == 1
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    eager = rollout.decode(model, groups, PAD, 12)
-    assert not torch.equal(eager[0][0], rollout.decode(tiny_lm(), groups, PAD, 12)[0][0])  # the update changed samples
-    assert_same(eager, rollout.decode(model, groups, PAD, 12, compiled_step))
+    eager = rollout.decode(model, groups, PAD, 40, 12)
+    # the update changed samples
+    assert not torch.equal(eager[0][0], rollout.decode(tiny_lm(), groups, PAD, 40, 12)[0][0])
+    assert_same(eager, rollout.decode(model, groups, PAD, 40, 12, compiled_step))
     # batches of 3 and 2 rows: the second is filled up to 3 rows, so one more cache and graph serve
     # both, and the first shape's is still served
-    assert_same(rollout.decode_in_batches(model, groups, PAD, 12, 3),
-                rollout.decode_in_batches(model, groups, PAD, 12, 3, compiled_step))
-    assert_same(eager, rollout.decode(model, groups, PAD, 12, compiled_step))
+    assert_same(rollout.decode_in_batches(model, groups, PAD, 40, 12, 3),
+                rollout.decode_in_batches(model, groups, PAD, 40, 12, 3, compiled_step))
+    assert_same(eager, rollout.decode(model, groups, PAD, 40, 12, compiled_step))
     assert counters["stats"]["unique_graphs"] == 2 and sorted(compiled_step.caches) == [(3, 21), (5, 21)]
     torch._dynamo.reset()
 
@@ -467,9 +469,9 @@ def test_compiled_decode_reports_its_cache_and_frees_it_when_asked(one_thread):
     groups = [rollout.SamplingGroup(rows[:3], 0.7, 11), rollout.SamplingGroup(rows[3:], 1.0, 12)]
     reports = []
     compiled_step = rollout.CompiledStep(model, reports.append, keep_caches=False, backend="aot_eager")
-    first = rollout.decode_in_batches(model, groups, PAD, 12, 3, compiled_step)
+    first = rollout.decode_in_batches(model, groups, PAD, 40, 12, 3, compiled_step)
     assert compiled_step.caches == {}
-    second = rollout.decode_in_batches(model, groups, PAD, 12, 3, compiled_step)
+    second = rollout.decode_in_batches(model, groups, PAD, 40, 12, 3, compiled_step)
     for (a, la), (b, lb) in zip(first, second, strict=True):
         assert torch.equal(a, b) and torch.allclose(la, lb, atol=1e-6)
     size = 2 * 2 * 3 * 2 * 21 * 16 * 4
@@ -497,12 +499,12 @@ def test_a_compile_that_fails_falls_back_to_the_eager_decode(one_thread):
     rows[1, :3] = PAD
     groups = [rollout.SamplingGroup(rows[:3], 0.7, 11), rollout.SamplingGroup(rows[3:], 1.0, 12)]
     compiled_step = rollout.CompiledStep(model, backend=failing_backend)
-    eager = rollout.decode(model, groups, PAD, 12)
+    eager = rollout.decode(model, groups, PAD, 40, 12)
     with pytest.warns(RuntimeWarning, match=r"compiled decode step failed \(RuntimeError: Failed to find C compiler"):
-        fell_back = rollout.decode(model, groups, PAD, 12, compiled_step)
+        fell_back = rollout.decode(model, groups, PAD, 40, 12, compiled_step)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again = rollout.decode_in_batches(model, groups, PAD, 12, 3, compiled_step)
+        again = rollout.decode_in_batches(model, groups, PAD, 40, 12, 3, compiled_step)
     for a, b, c in zip(eager, fell_back, again, strict=True):
         assert torch.equal(a[0], b[0]) and torch.equal(a[0], c[0]) and torch.equal(a[1], b[1])
     assert len(compiles) == 1 and compiled_step.failure.startswith("RuntimeError") and not compiled_step.caches
@@ -520,11 +522,11 @@ def test_a_compiled_decode_that_fails_after_a_reset_falls_back_too(one_thread):
     rows = torch.randint(2, 40, (5, 9), generator=torch.Generator().manual_seed(1))
     groups = [rollout.SamplingGroup(rows[:3], 0.7, 11), rollout.SamplingGroup(rows[3:], 1.0, 12)]
     compiled_step = rollout.CompiledStep(model, backend=backend)
-    eager = rollout.decode(model, groups, PAD, 12)
-    first = rollout.decode(model, groups, PAD, 12, compiled_step)
+    eager = rollout.decode(model, groups, PAD, 40, 12)
+    first = rollout.decode(model, groups, PAD, 40, 12, compiled_step)
     torch._dynamo.reset()
     with pytest.warns(RuntimeWarning, match=r"compiled decode step failed \(RuntimeError: the recompile failed"):
-        second = rollout.decode(model, groups, PAD, 12, compiled_step)
+        second = rollout.decode(model, groups, PAD, 40, 12, compiled_step)
     for a, b, c in zip(eager, first, second, strict=True):
         assert torch.equal(a[0], b[0]) and torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
     assert backend.compiles == 2 and compiled_step.failure.startswith("RuntimeError")
@@ -562,7 +564,7 @@ def test_a_model_that_ignores_the_cache_keyword_is_an_error():
 
     queries = torch.tensor([[PAD, 5, 6], [7, 8, 9]])
     with pytest.raises(RuntimeError, match="did not fill the KV cache in the prefill"):
-        rollout.decode(IgnoresCache(tiny_lm()), [rollout.SamplingGroup(queries, 1.0, 0)], PAD, 4)
+        rollout.decode(IgnoresCache(tiny_lm()), [rollout.SamplingGroup(queries, 1.0, 0)], PAD, 40, 4)
 
 
 def test_pad_is_never_sampled_and_generation_logprobs_are_the_training_logprobs(one_thread):
@@ -571,15 +573,15 @@ def test_pad_is_never_sampled_and_generation_logprobs_are_the_training_logprobs(
     and the same [PAD] masking; without the masking they would not (the normaliser differs)."""
     model = tiny_lm()
     queries = torch.tensor([[PAD, 5, 6], [7, 8, 9]])
-    ((responses, logprobs),) = rollout.decode(model, [rollout.SamplingGroup(queries, 1.0, 0)], PAD, 200)
+    ((responses, logprobs),) = rollout.decode(model, [rollout.SamplingGroup(queries, 1.0, 0)], PAD, 40, 200)
     assert responses.shape == (2, 200) and (responses != PAD).all()
     with torch.no_grad():
         logits = ppo.forward(model, torch.cat([queries, responses], 1), PAD)[:, 2:-1]
-    train = ppo.gather_logprobs(ppo.scaled_logits(logits, 1.0, PAD), responses)
+    train = ppo.gather_logprobs(ppo.scaled_logits(logits, 1.0, PAD, 40), responses)
     assert (train - logprobs).abs().max() < 1e-5
     unmasked = ppo.gather_logprobs(logits / (1.0 + 1e-7), responses)
     assert (unmasked - logprobs).abs().min() > 1e-4  # the [PAD] mass is not in the generation normaliser
-    assert torch.isfinite(ppo.entropy_from_logits(ppo.scaled_logits(logits, 1.0, PAD))).all()
+    assert torch.isfinite(ppo.entropy_from_logits(ppo.scaled_logits(logits, 1.0, PAD, 40))).all()
 
 
 def test_generation_logprobs_match_on_left_padded_queries(tiny_datasets, models_dir, one_thread):
@@ -588,10 +590,11 @@ def test_generation_logprobs_match_on_left_padded_queries(tiny_datasets, models_
     model = AutoModelForCausalLM.from_pretrained(os.path.join(models_dir, "pythia-tiny-s")).eval()
     queries = torch.tensor(load_from_disk(os.path.join(data_dir, "sft"))["train"][:6]["query_token"])
     assert (queries[:, 0] == PAD).any()  # some are left-padded
-    ((responses, logprobs),) = rollout.decode(model, [rollout.SamplingGroup(queries, 0.7, 0)], PAD, 32)
+    vocab_end = model.config.vocab_size  # (the tiny default's rows: its tokenizer's len, [PAD] included)
+    ((responses, logprobs),) = rollout.decode(model, [rollout.SamplingGroup(queries, 0.7, 0)], PAD, vocab_end, 32)
     with torch.no_grad():
         logits = ppo.response_logits(model, torch.cat([queries, responses], 1), PAD, 32)  # (the training forward)
-    train = ppo.gather_logprobs(ppo.scaled_logits(logits, 0.7, PAD), responses)
+    train = ppo.gather_logprobs(ppo.scaled_logits(logits, 0.7, PAD, vocab_end), responses)
     assert (train - logprobs).abs().max() < 1e-4
 
 

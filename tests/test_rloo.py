@@ -352,7 +352,7 @@ def test_a_querys_samples_share_the_query_and_come_from_their_own_seeds(base_run
     sft = loading.load_policy(checkpoints[0], tokenizer).eval()
     groups = [rollout.SamplingGroup(queries[::2][c: c + 2], 0.7, rollout.derived_seed(args.seed, 0, 1, c, j))
               for c in (0, 2) for j in range(2)]
-    sampled = [response for response, _ in rollout.decode(sft, groups, PAD, 20)]
+    sampled = [response for response, _ in rollout.decode(sft, groups, PAD, len(tokenizer), 20)]
     assert torch.equal(rloo.query_major(sampled, 2), responses)
 
 

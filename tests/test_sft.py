@@ -133,7 +133,7 @@ def test_forward_and_generate_ignore_left_padding(kind):
         a = sft.forward(model, text, pad)[:, -1]
         b = sft.forward(model, padded, pad)[:, -1]
     assert torch.allclose(a, b, atol=1e-5)
-    config = sft.generation_config(6, 0.01, pad)
+    config = sft.generation_config(6, 0.01, pad, 40, 40)
     torch.manual_seed(1)
     ra = sft.generate(model, text, pad, config)
     torch.manual_seed(1)
@@ -148,7 +148,7 @@ def test_pad_is_never_sampled_and_length_is_exact():
     model = tiny_lm("gpt_neox")
     queries = torch.tensor([[pad, 5, 6], [7, 8, 9]])
     torch.manual_seed(0)
-    responses = sft.generate(model, queries, pad, sft.generation_config(200, 1.0, pad))
+    responses = sft.generate(model, queries, pad, sft.generation_config(200, 1.0, pad, 40, 40))
     assert responses.shape == (2, 200)
     assert (responses != pad).all()
     first_eos = sft.first_true_indices(responses == eos)
