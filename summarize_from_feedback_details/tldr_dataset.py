@@ -43,7 +43,7 @@ from rich.table import Table  # noqa: E402
 
 from summarize_from_feedback_details.infra.launch import quiet_libraries  # noqa: E402
 from summarize_from_feedback_details.infra.loading import (TOKENIZER_RECORD, check_architecture,  # noqa: E402
-                                                           load_tokenizer, tokenizer_fingerprint)
+                                                           dataset_tokenizer_record, load_tokenizer)
 from summarize_from_feedback_details.infra.tracking import progress  # noqa: E402
 
 CNNDM_BATCHES = ("batch0_cnndm", "cnndm0", "cnndm2")
@@ -800,7 +800,7 @@ def run(args: Args, console: Optional[Console] = None) -> dict:
     shutil.rmtree(tmp_dir, ignore_errors=True)
     disable_progress_bars()  # saving takes well under a second; our own bars cover the long work
     try:
-        record = {"tokenizer": args.base_model, "fingerprint": tokenizer_fingerprint(tokenizer)}
+        record = dataset_tokenizer_record(tokenizer, args.base_model)
         for name, dataset in (("sft", sft), ("preference", pref)):
             dataset.save_to_disk(os.path.join(tmp_dir, name))
             with open(os.path.join(tmp_dir, name, TOKENIZER_RECORD), "w") as f:  # (every stage checks it)

@@ -636,9 +636,10 @@ def test_a_folder_a_failed_run_left_is_named_as_holding_no_model(tmp_path):
     (failed / ".lock").write_text("")
     for load in (lambda: loading.load_tokenizer(str(failed)), lambda: loading.load_policy(str(failed), None),
                  lambda: loading.load_reward_model(str(failed), None)):
-        with pytest.raises(FileNotFoundError, match=rf"model path {failed} holds no model \(no \w+.json; it holds "
-                                                    r"\.lock, checkpoints\): a failed or unfinished run\? Its "
-                                                    r"checkpoints/ can be finished with the same command and --resume"):
+        with pytest.raises(FileNotFoundError, match=rf"model path {failed} holds no (model|tokenizer) \((no|none of) "
+                                                    r"\w+.json[^;]*; it holds \.lock, checkpoints\): a failed or "
+                                                    r"unfinished run\? Its checkpoints/ can be finished with the same "
+                                                    r"command and --resume"):
             load()
     (failed / "checkpoints" / "update-0000002").rmdir()
     (failed / "checkpoints").rmdir()

@@ -12,7 +12,9 @@ here changes a result that the stage does not name: it loads what the stage asks
   reward models as inference engines, ZeRO-3 with CPU offload under `--offload`.
 """
 
+import hashlib
 import json
+import math
 import os
 from typing import Optional
 
@@ -26,8 +28,13 @@ def looks_local(path: str) -> bool:
     return os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1
 
 
-# what a local folder must hold to be loaded as a model, or as a tokenizer
-MODEL_FILES, TOKENIZER_FILES = ("config.json",), ("tokenizer_config.json", "tokenizer.json")
+# what a local folder must hold to be loaded as a model, or as a tokenizer: a serialised tokenizer,
+# a tokenizer config, or the vocabulary files AutoTokenizer builds one from (vocab.json with merges.txt,
+# vocab.txt, a sentencepiece tokenizer.model) with the class the folder's config.json or
+# tokenizer_config.json names. (From a GPT-NeoX config.json alone it builds an empty tokenizer without
+# a word: a folder holding none of these is refused, not loaded.)
+MODEL_FILES = ("config.json",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
 def check_model_path(path: str, needs: tuple = MODEL_FILES) -> None:
@@ -43,40 +50,150 @@ def check_model_path(path: str, needs: tuple = MODEL_FILES) -> None:
         listing = ", ".join(held[:8]) + (" ..." if len(held) > 8 else "") if held else "nothing"
         resume = (" Its checkpoints/ can be finished with the same command and --resume." if "checkpoints" in held
                   else "")
-        raise FileNotFoundError(f"model path {path} holds no model (no {needs[0]}; it holds {listing}): a failed or "
+        what = "tokenizer" if needs == TOKENIZER_FILES else "model"
+        missing = f"no {needs[0]}" if len(needs) == 1 else f"none of {', '.join(needs)}"
+        raise FileNotFoundError(f"model path {path} holds no {what} ({missing}; it holds {listing}): a failed or "
                                 f"unfinished run?{resume}")
 
 
 # written by tldr_dataset.py into each dataset folder it builds: which tokenizer made its token ids
 TOKENIZER_RECORD = "tokenizer_record.json"
 
+# the text whose ids the tokenizer check compares, with what TL;DR posts hold: the data stage's query
+# format, ASCII prose, digits, punctuation, double spaces, a tab, newlines, common precomposed letters
+# and typography, and the EOS written as text (as the data stage appends it)
+PROBE_TEXT = ("SUBREDDIT: r/relationships\n\nTITLE: My [25F] boyfriend (27M) forgot our 3rd anniversary -- "
+              "again?\n\nPOST: We've been together since 2019.  He said \"I'll make it up to you!\" but... I paid "
+              "$1,200/month & he owes me 50%;\tcafé, naïve, über, jalapeño, Zoë, 10°C, €5, “quoted” ‘it’s’ – — "
+              "…\n\nTL;DR: he forgot, again<|endoftext|>")
+SPECIAL_TOKENS = {"bos": "BOS", "eos": "EOS", "pad": "pad", "unk": "UNK"}
+
+
+def sha256(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tokenizer_record(tokenizer) -> dict:
+    """What decides which ids a text becomes, part by part in the order a difference is named: the
+    vocabulary (token -> id) and the merges in their order (each "whole", with its size and digest),
+    the added tokens and their ids, the special tokens' ids, and PROBE_TEXT's (id, token) pairs without
+    and with the special tokens encoding adds. Not the serialised pipeline: transformers 5 rebuilds a
+    tokenizer whose config names GPTNeoXTokenizer with an NFC normaliser and empty prefix and suffix
+    strings, and it encodes every text as before."""
+    vocabulary = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False)
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]  # (older files: "a b")
+
+    def pairs(ids: list) -> list:
+        return [[i, token] for i, token in zip(ids, tokenizer.convert_ids_to_tokens(ids))]
+
+    return {
+        "vocabulary": {"size": len(vocabulary), "sha256": sha256(sorted(vocabulary.items(), key=lambda kv: kv[1])),
+                       "whole": vocabulary},
+        "merges": {"size": len(merges), "sha256": sha256(merges), "whole": merges},
+        "added_tokens": {token.content: i for i, token in sorted(tokenizer.added_tokens_decoder.items())},
+        "special_ids": {name: getattr(tokenizer, f"{name}_token_id") for name in SPECIAL_TOKENS},
+        "probe": pairs(tokenizer.encode(PROBE_TEXT, add_special_tokens=False)),
+        "probe_with_special_tokens": pairs(tokenizer.encode(PROBE_TEXT)),
+    }
+
+
+def dataset_tokenizer_record(tokenizer, name: str) -> dict:
+    """What tldr_dataset.py writes as TOKENIZER_RECORD beside each dataset: the tokenizer's `name` and
+    its tokenizer_record, the vocabulary and merges kept as size and digest only (Pythia's vocabulary
+    would take a megabyte)."""
+    record = tokenizer_record(tokenizer)
+    for part in ("vocabulary", "merges"):
+        record[part] = {"size": record[part]["size"], "sha256": record[part]["sha256"]}
+    return {"tokenizer": name, **record}
+
+
+def first_difference(there: list, here: list) -> int:
+    """The first position where two lists differ (the end of the shorter one where it is the other's start)."""
+    return next(i for i, (a, b) in enumerate(zip(there + [None], here + [None])) if a != b)
+
+
+def first_id_difference(there: dict, here: dict) -> str:
+    """The token of lowest id whose id differs between two token -> id maps, in words."""
+    tokens = sorted(there.keys() | here.keys(), key=lambda t: (min(there.get(t, math.inf), here.get(t, math.inf)), t))
+    token = next(t for t in tokens if there.get(t) != here.get(t))
+    return f"{token!r} is {there.get(token, 'absent')} there, {here.get(token, 'absent')} here"
+
+
+def probe_excerpt(pairs: list, count: int = 4) -> str:
+    """A probe's encoding from where it differs: its first `count` tokens as "19 '2', 24 '7' ..."."""
+    text = ", ".join(f"{i} {token!r}" for i, token in pairs[:count]) or "nothing"
+    return text + (" ..." if len(pairs) > count else "")
+
+
+def tokenizer_difference(there: dict, here: dict) -> Optional[str]:
+    """The first part of two tokenizer records (tokenizer_record or dataset_tokenizer_record) that
+    differs, in words ("there": `there`'s value, "here": `here`'s), or None where the two turn every
+    text into the same ids. Where one record holds only the digest (a dataset's), the sizes are named."""
+    for part, what in (("vocabulary", "the vocabulary differs"), ("merges", "the merges differ")):
+        a, b = there[part], here[part]
+        if (a["size"], a["sha256"]) == (b["size"], b["sha256"]):
+            continue
+        if "whole" not in a or "whole" not in b:  # (a dataset's record)
+            return (f"{what}: {a['size']} entries there, {b['size']} here" if a["size"] != b["size"]
+                    else f"{what}: as many entries ({a['size']}), not the same ones")
+        if part == "vocabulary":
+            return f"{what}: {first_id_difference(a['whole'], b['whole'])}"
+        i = first_difference(a["whole"], b["whole"])
+        merge_there, merge_here = (repr(m[i]) if i < len(m) else "none" for m in (a["whole"], b["whole"]))
+        return f"{what} from merge {i}: {merge_there} there, {merge_here} here"
+    if there["added_tokens"] != here["added_tokens"]:
+        return f"the added tokens differ: {first_id_difference(there['added_tokens'], here['added_tokens'])}"
+    for name, label in SPECIAL_TOKENS.items():
+        if there["special_ids"][name] != here["special_ids"][name]:
+            return f"the {label} id differs: {there['special_ids'][name]} there, {here['special_ids'][name]} here"
+    for part, what in (("probe", "the probe text"),
+                       ("probe_with_special_tokens", "the probe text with special tokens")):
+        a, b = there[part], here[part]
+        if a != b:
+            i = first_difference(a, b)
+            return (f"{what} encodes differently from token {i}: {probe_excerpt(a[i:])} there, "
+                    f"{probe_excerpt(b[i:])} here")
+    return None
+
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """What decides how text becomes ids, hashed: the vocabulary and merges, the added tokens and their
-    ids, the normaliser, pre-tokeniser, post-processor and decoder (not the padding or truncation
-    settings of the moment). Two tokenizers of one size but other vocabularies differ here."""
-    import hashlib
-
+    """The tokenizer record tldr_dataset.py wrote before dataset_tokenizer_record: a hash of the
+    serialised pipeline (normaliser, pre-tokeniser, decoder ... included), which also differs where the
+    ids do not. Read only to check a dataset built then, whose record holds nothing else."""
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     spec = {k: v for k, v in spec.items() if k not in ("padding", "truncation", "added_tokens", "version")}
     spec["added_tokens"] = sorted((t.content, i) for i, t in tokenizer.added_tokens_decoder.items())
     spec["special"] = [tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token]
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return sha256(spec)
 
 
 def check_dataset_tokenizer(tokenizer, dataset: str) -> None:
     """Refuses a dataset whose token ids another tokenizer made (its TOKENIZER_RECORD; a dataset
-    without one, such as a hub dataset, is taken as it is)."""
+    without one, such as a hub dataset, is taken as it is), naming the first difference. A dataset built
+    before the record held the parts of tokenizer_record is checked as it was then (its fingerprint),
+    and told to be built again where that fingerprint cannot vouch for it."""
     path = os.path.join(dataset, TOKENIZER_RECORD)
     if not (looks_local(dataset) and os.path.isfile(path)):
         return
     with open(path) as f:
         record = json.load(f)
-    if record["fingerprint"] != tokenizer_fingerprint(tokenizer):
+    name = tokenizer.name_or_path
+    if "vocabulary" not in record:
+        if record["fingerprint"] == tokenizer_fingerprint(tokenizer):
+            return
+        folder = os.path.dirname(os.path.normpath(dataset)) or "."
+        raise ValueError(f"dataset {dataset} was built by an earlier tldr_dataset.py, whose record of its tokenizer "
+                         f"({record['tokenizer']}) is a hash that does not match {name}'s tokenizer and cannot show "
+                         f"whether the two read its token ids alike. Delete {folder} and build it again: "
+                         f"tldr_dataset.py --base_model {name} --output_dir {folder} (hello_world.sh builds it when "
+                         "it is missing)")
+    difference = tokenizer_difference(record, dataset_tokenizer_record(tokenizer, name))
+    if difference:
         raise ValueError(f"dataset {dataset} was tokenized with {record['tokenizer']}, whose tokenizer differs from "
-                         f"{tokenizer.name_or_path}'s: its token ids would mean other text to this model. Rebuild it "
-                         f"with tldr_dataset.py --base_model {tokenizer.name_or_path}, or use the models of that "
-                         "tokenizer")
+                         f"{name}'s: its token ids would mean other text to this model ({difference}; there: the "
+                         f"dataset's tokenizer, here: {name}'s). Rebuild it with tldr_dataset.py --base_model {name}, "
+                         "or use the models of that tokenizer")
 
 
 def load_tokenizer(name: str, *datasets: str):
@@ -194,15 +311,19 @@ def checked_load(model_class, path: str, expected: str, new_head: Optional[str] 
 
 
 def check_model_tokenizer(path: str, tokenizer) -> None:
-    """Refuses a model folder saved with another tokenizer than `tokenizer` (every stage saves its
-    model's tokenizer beside it; a folder without one, or a hub name, is taken as it is)."""
+    """Refuses a model folder saved with another tokenizer than `tokenizer`, naming the first difference
+    (every stage saves its model's tokenizer beside it; a folder without one, or a hub name, is taken as
+    it is). The folder's tokenizer is what transformers loads from it: a tokenizer.json in another
+    family's model folder loads as that family's class, and may encode otherwise."""
     if not looks_local(path) or not any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
         return
     if os.path.abspath(path) == os.path.abspath(tokenizer.name_or_path):
         return
-    if tokenizer_fingerprint(load_tokenizer(path)) != tokenizer_fingerprint(tokenizer):
+    difference = tokenizer_difference(tokenizer_record(load_tokenizer(path)), tokenizer_record(tokenizer))
+    if difference:
         raise ValueError(f"{path} was saved with another tokenizer than {tokenizer.name_or_path}'s: it reads token "
-                         "ids as other text. Use models and datasets built on one tokenizer")
+                         f"ids as other text ({difference}; there: {path}'s tokenizer, here: "
+                         f"{tokenizer.name_or_path}'s). Use models and datasets built on one tokenizer")
 
 
 def fit_embeddings(model, path: str, tokenizer) -> None:

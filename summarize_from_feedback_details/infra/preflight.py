@@ -8,11 +8,13 @@ result; it stops a run that would fail later, or silently, and says why.
   out of an earlier run's checkpoints and logs.
 """
 
+import errno
 import fcntl
 import os
 import platform
 import subprocess
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -71,12 +73,17 @@ def check_settings(args) -> None:
         raise ValueError(f"--checkpoint_every must be >= 0 (0: only on a stop signal), got {args.checkpoint_every}")
 
 
+# what lockf raises where another process holds the lock (POSIX allows either)
+LOCK_HELD = (errno.EAGAIN, errno.EACCES)
+
+
 def lock_output_dir(output_dir: str):
     """An exclusive lock on <output_dir>/.lock for this run (held by the main process), or an error
     naming the run that holds it: two runs writing checkpoints and a model into one folder would
     overwrite each other's. The operating system drops the lock when the process ends, however it
     ends, so a crashed run leaves no stale lock behind. (A POSIX lock: a second run started inside
-    the same Python process, as the tests do, shares it.)"""
+    the same Python process, as the tests do, shares it.) On a filesystem that cannot lock (some NFS
+    and FUSE mounts: ENOLCK, EOPNOTSUPP, EINVAL ...) the run goes on unguarded, with a warning."""
     try:
         os.makedirs(output_dir, exist_ok=True)
         handle = open(os.path.join(output_dir, ".lock"), "a+")
@@ -85,13 +92,19 @@ def lock_output_dir(output_dir: str):
                                f"({e.filename})") from None
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise RuntimeError(f"--output_dir {output_dir} is in use by a running {holder}: two runs writing one folder "
-                           "would overwrite each other's checkpoints and model. Wait for it, stop it, or choose "
-                           "another --output_dir") from None
+    except OSError as e:
+        if e.errno in LOCK_HELD:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise RuntimeError(f"--output_dir {output_dir} is in use by a running {holder}: two runs writing one "
+                               "folder would overwrite each other's checkpoints and model. Wait for it, stop it, or "
+                               "choose another --output_dir") from None
+        # locking unsupported here: refusing would stop every run on this filesystem, so it runs unguarded
+        warnings.warn(f"--output_dir {output_dir}: its filesystem cannot lock {handle.name} "
+                      f"({errno.errorcode.get(e.errno, e.errno)}: {e.strerror}), so a second run started into this "
+                      "folder would not be stopped, and the two would overwrite each other's checkpoints and model. "
+                      "Running on without the lock", RuntimeWarning, stacklevel=2)
     handle.seek(0)
     handle.truncate()
     handle.write(f"run (pid {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%d %H:%M:%S')})")
