@@ -146,13 +146,13 @@ def score_table(table: pd.DataFrame, reward_model_path: Optional[str], loaded: d
         return float("nan")
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from summarize_from_feedback_details.hello_world_report import reward_scores
+    from summarize_from_feedback_details.hello_world_report import table_reward_scores
 
     if reward_model_path not in loaded:
         loaded[reward_model_path] = (AutoModelForSequenceClassification.from_pretrained(reward_model_path).eval(),
                                      AutoTokenizer.from_pretrained(reward_model_path))
     model, tokenizer = loaded[reward_model_path]
-    return float(reward_scores(model, tokenizer, list(table["query"]), list(table["postprocessed_response"])).mean())
+    return float(table_reward_scores(model, tokenizer, table).mean())
 
 
 def run_row(run, logged: list, label: str, reward_model_path: Optional[str], last_updates: int, loaded: dict,

@@ -399,14 +399,15 @@ def generation_table(args: Args, accelerator: Accelerator, model, tokenizer, dat
     for batch in dataloader:
         responses = truncate_response(generate(unwrapped, batch["query_token"], pad_id, config), eos_id, pad_id)
         rows += accelerator.gather_for_metrics([
-            {"query": q, "postprocessed_response": r, "reference_responses": ref}
-            for q, r, ref in zip(
+            {"query": q, "postprocessed_response": r, "reference_responses": ref, "contain_eos": eos}
+            for q, r, ref, eos in zip(
                 tokenizer.batch_decode(batch["query_token"], skip_special_tokens=True),
                 tokenizer.batch_decode(responses, skip_special_tokens=True),
                 tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True),
+                (responses == eos_id).any(-1).tolist(),  # (whether the policy ended it: hello_world_report)
             )
         ], use_gather_object=True)
-    return pd.DataFrame(rows, columns=["query", "postprocessed_response", "reference_responses"])
+    return pd.DataFrame(rows, columns=["query", "postprocessed_response", "reference_responses", "contain_eos"])
 
 
 # ---------------------------------------------------------------------------------------------

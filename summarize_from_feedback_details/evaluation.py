@@ -24,7 +24,10 @@ from summarize_from_feedback_details.rollout import SamplingGroup, decode, deriv
 from summarize_from_feedback_details.synthetic_tldr import gold_validation_metrics
 
 EVAL_COLUMNS = ["query_token", "reference_response_token"]
-TABLE_COLUMNS = ["query", "postprocessed_response", "reference_responses", "scores", "reference_scores"]
+# contain_eos: whether the policy ended the response (a response without an EOS ran out of tokens, and
+# the reward model reads it at its last token), so that a reader of the text scores what was scored
+TABLE_COLUMNS = ["query", "postprocessed_response", "reference_responses", "scores", "reference_scores",
+                 "contain_eos"]
 # derived_seed's first number after the run's seed: 0 rollouts, 1 per-update validation, 2 minibatch
 # permutations (in the stages), 3 the final evaluation
 EVAL_STREAM = 3
@@ -75,7 +78,7 @@ def score_responses(accelerator, reward_model, tokenizer, queries: torch.Tensor,
         tokenizer.batch_decode(queries, skip_special_tokens=True),
         tokenizer.batch_decode(responses, skip_special_tokens=True),
         tokenizer.batch_decode(references, skip_special_tokens=True),
-        scores.tolist(), reference_scores.tolist(),
+        scores.tolist(), reference_scores.tolist(), (responses == eos_id).any(-1).tolist(),
     )]
     return rows, scores, reference_scores
 

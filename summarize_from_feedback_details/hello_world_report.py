@@ -67,14 +67,18 @@ def last_metrics(run_folder: str) -> dict:
 
 
 @torch.no_grad()
-def reward_scores(reward_model, tokenizer, queries: list, responses: list, batch_size: int = 64) -> np.ndarray:
-    """The reward model's score of each [query | response + EOS], from the tables' text (both
-    policies' summaries go through this same path, so their scores compare fairly)."""
+def reward_scores(reward_model, tokenizer, queries: list, responses: list, contain_eos: list,
+                  batch_size: int = 64) -> np.ndarray:
+    """The reward model's score of each [query | response], from the tables' text (both policies'
+    summaries go through this same path, so their scores compare fairly), read where the stages read
+    it: at the EOS of a response the policy ended (`contain_eos`), at the last token of one that ran
+    out of tokens (an EOS appended to it would score a summary the policy never finished)."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     scores = []
     for start in range(0, len(queries), batch_size):
-        rows = [tokenizer(q)["input_ids"] + tokenizer(r, add_special_tokens=False)["input_ids"] + [eos_id]
-                for q, r in zip(queries[start: start + batch_size], responses[start: start + batch_size])]
+        rows = [tokenizer(q)["input_ids"] + tokenizer(r, add_special_tokens=False)["input_ids"] + [eos_id] * bool(eos)
+                for q, r, eos in zip(queries[start: start + batch_size], responses[start: start + batch_size],
+                                     contain_eos[start: start + batch_size])]
         width = max(map(len, rows))
         ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])  # right padding
         scores.append(reward_model(input_ids=ids, attention_mask=ids != pad_id).logits[:, 0])
@@ -82,6 +86,14 @@ def reward_scores(reward_model, tokenizer, queries: list, responses: list, batch
     # transformers; one loaded by infra.loading.load_reward_model adds it in its forward already
     hooked = getattr(reward_model, "reward_offset_hook", None) is not None
     return torch.cat(scores).numpy() + (0.0 if hooked else getattr(reward_model.config, "reward_offset", 0.0))
+
+
+def table_reward_scores(reward_model, tokenizer, table: pd.DataFrame) -> np.ndarray:
+    """`reward_scores` of a policy's table (a table written before its `contain_eos` column: every
+    response scored with an EOS, as this report did then)."""
+    contain_eos = list(table["contain_eos"]) if "contain_eos" in table else [True] * len(table)
+    return reward_scores(reward_model, tokenizer, list(table["query"]), list(table["postprocessed_response"]),
+                         contain_eos)
 
 
 def policy_summary(table: pd.DataFrame, reward_model, tokenizer) -> dict:
@@ -98,7 +110,7 @@ def policy_summary(table: pd.DataFrame, reward_model, tokenizer) -> dict:
         "ci": win_rates.wilson_interval(float(np.mean(wins)), len(wins)),
         "lc_win_rate": win_rates.length_controlled_win_rate(wins, difference),
         "lc_ci": win_rates.length_controlled_interval(wins, difference),
-        "rm_score": float(reward_scores(reward_model, tokenizer, queries, responses).mean()),
+        "rm_score": float(table_reward_scores(reward_model, tokenizer, table).mean()),
         "length": float(lengths.mean()),
         "rows": len(table),
     }

@@ -298,11 +298,12 @@ def evaluate(args: Args, accelerator: Accelerator, model, tokenizer, dataloader,
         loss_sums.append(loss_sum.cpu())
         counts.append(count.cpu())
         rows += accelerator.gather_for_metrics([
-            {"query": q, "postprocessed_response": r, "reference_responses": ref}
-            for q, r, ref in zip(
+            {"query": q, "postprocessed_response": r, "reference_responses": ref, "contain_eos": eos}
+            for q, r, ref, eos in zip(
                 tokenizer.batch_decode(batch["query_token"], skip_special_tokens=True),
                 tokenizer.batch_decode(responses, skip_special_tokens=True),
                 tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True),
+                (responses == eos_id).any(-1).tolist(),  # (whether the policy ended it: hello_world_report)
             )
         ], use_gather_object=True)
     loss_sums, counts = torch.cat(loss_sums), torch.cat(counts)

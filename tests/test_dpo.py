@@ -234,7 +234,7 @@ def test_eval_reports_implicit_reward_accuracy_like_the_reward_model(trained, ti
     sft_data = load_from_disk(os.path.join(tiny_datasets[0], "sft"))
     for split in ("validation", "test"):
         table = pd.read_csv(os.path.join(workdir, "runs", "dpo", f"{split}_table.csv"), keep_default_na=False)
-        assert list(table.columns) == ["query", "postprocessed_response", "reference_responses"]
+        assert list(table.columns) == ["query", "postprocessed_response", "reference_responses", "contain_eos"]
         assert len(table) == len(sft_data[split])
         assert sorted(table["query"]) == sorted(q.strip() for q in sft_data[split]["query"])
 

@@ -90,7 +90,7 @@ def test_compare_table_known_answers(tmp_path, checkpoints, monkeypatch):
 
     model = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
     tokenizer = AutoTokenizer.from_pretrained(reward_model)
-    expected = reward_scores(model, tokenizer, QUERIES, [r for r, _ in rows_with(1)]).mean()
+    expected = reward_scores(model, tokenizer, QUERIES, [r for r, _ in rows_with(1)], [True] * 4).mean()  # (no column)
     assert runs.loc[0, "rm_score"] == pytest.approx(expected, abs=1e-6)
 
     table = pd.read_csv(os.path.join(out, "compare_table_full.csv")).set_index("policy")

@@ -117,12 +117,35 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     ids = torch.tensor([tokenizer(POST)["input_ids"] + tokenizer(good)["input_ids"] + [tokenizer.eos_token_id]])
     with torch.no_grad():
         alone = model(input_ids=ids).logits[0, 0].item()
-    batched = report.reward_scores(model, tokenizer, [POST, POST], [poor, good])
+    batched = report.reward_scores(model, tokenizer, [POST, POST], [poor, good], [True, True])
     assert batched[1] == pytest.approx(alone, abs=1e-5) and batched[0] != pytest.approx(alone, abs=1e-3)
     assert rows["PPO mean reward-model score"] == f"{alone:.3f}"
     # real data: no gold judge, the other rows stay
     real = dict(report.collect(report.Args(runs_dir=str(runs), models_dir=str(models), gold_judge=False)))
     assert not any("gold" in what for what in real) and real["PPO mean reward-model score"] == f"{alone:.3f}"
+
+
+def test_a_response_the_policy_did_not_end_is_scored_at_its_last_token(tmp_path, tokenizer_dir, tokenizer):
+    """The report scores each response where the stage scored it: at the EOS of one the policy ended,
+    at the last token of one that ran out of tokens (`contain_eos` False), with no EOS appended; a
+    table written before that column scores every response with an EOS."""
+    from summarize_from_feedback_details import reward
+    from summarize_from_feedback_details.infra import loading
+
+    model = reward.reward_model_to_train(tokenizer_dir, loading.load_tokenizer(tokenizer_dir), head_seed=1).eval()
+    good = GOOD.replace("<|endoftext|>", "")
+    ids = tokenizer(POST)["input_ids"] + tokenizer(good, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        ended, cut = (model(input_ids=torch.tensor([row])).logits[0, 0].item()
+                      for row in (ids + [tokenizer.eos_token_id], ids))
+    assert abs(ended - cut) > 1e-3  # (the two readings differ, so the check below can fail)
+    path = tmp_path / "validation_table.csv"
+    pd.DataFrame({"query": [POST, POST], "postprocessed_response": [good, good], "reference_responses": [good, good],
+                  "contain_eos": [True, False]}).to_csv(path, index=False)
+    table = pd.read_csv(path, keep_default_na=False)  # (as the report reads it)
+    assert report.table_reward_scores(model, tokenizer, table) == pytest.approx([ended, cut], abs=1e-5)
+    older = table.drop(columns="contain_eos")
+    assert report.table_reward_scores(model, tokenizer, older) == pytest.approx([ended, ended], abs=1e-5)
 
 
 # ---------------------------------------------------------------- the headline: paired against SFT

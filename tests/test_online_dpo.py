@@ -301,7 +301,8 @@ def test_eval_tables_and_the_saved_policy(trained, quick_eval_data, checkpoints,
     for split in ("validation", "test"):
         table = pd.read_csv(os.path.join(workdir, "runs", "run", f"{split}_table.csv"), keep_default_na=False)
         assert list(table.columns) == ["query", "postprocessed_response", "reference_responses", "scores",
-                                       "reference_scores"]
+                                       "reference_scores", "contain_eos"]
+        assert table["contain_eos"].dtype == bool
         assert len(table) == len(data[split])
         assert final[f"eval/{split}/scores"] == pytest.approx(table["scores"].mean(), abs=1e-5)
     assert len(pd.read_csv(os.path.join(workdir, "runs", "run", "samples_3.csv"))) == 8

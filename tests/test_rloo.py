@@ -317,7 +317,8 @@ def test_tiny_run_logs_saves_and_evaluates(base_run, checkpoints, tiny_datasets,
     for split in ("validation", "test"):
         table = pd.read_csv(os.path.join(workdir, "runs", "base", f"{split}_table.csv"), keep_default_na=False)
         assert list(table.columns) == ["query", "postprocessed_response", "reference_responses", "scores",
-                                       "reference_scores"]
+                                       "reference_scores", "contain_eos"]
+        assert table["contain_eos"].dtype == bool
         assert len(table) == len(data[split])
         assert final[f"eval/{split}/scores"] == pytest.approx(table["scores"].mean(), abs=1e-5)
     assert len(glob.glob(os.path.join(workdir, "runs", "base", "samples_*.csv"))) == 3

@@ -552,7 +552,8 @@ def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_datasets, tokeniz
     import pandas as pd
 
     table = pd.read_csv(tmp_path / "runs" / "trained" / "validation_table.csv")
-    assert list(table.columns) == ["query", "postprocessed_response", "reference_responses"]
+    assert list(table.columns) == ["query", "postprocessed_response", "reference_responses", "contain_eos"]
+    assert table["contain_eos"].dtype == bool
     assert len(table) == 60  # every validation row once: no sharding duplicates
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -96,7 +96,8 @@ def test_prints_two_coloured_samples_with_the_pipelines_scores(checkpoints, tiny
         reference = validation[sample.row]["reference_response"].replace(tokenizer.eos_token, "")
         assert sample.reference == reference
         assert sample.reference_score == pytest.approx(
-            float(reward_scores(model, tokenizer, [validation[sample.row]["query"]], [reference])[0]), abs=1e-4)
+            float(reward_scores(model, tokenizer, [validation[sample.row]["query"]], [reference], [True])[0]),
+            abs=1e-4)
     # a response without EOS is flagged (the reference always has one)
     missing = sum(not s.sft_has_eos for s in samples) + sum(not s.ppo_has_eos for s in samples)
     assert plain.count("NO EOS in 12 tokens") == missing
