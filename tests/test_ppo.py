@@ -791,7 +791,8 @@ def test_smoke_one_update_of_the_tiny_default(tiny_datasets, checkpoints, tmp_pa
     for split in ("validation", "test"):
         table = pd.read_csv(os.path.join(workdir, "runs", "smoke", f"{split}_table.csv"), keep_default_na=False)
         assert list(table.columns) == ["query", "postprocessed_response", "reference_responses", "scores",
-                                       "reference_scores"]
+                                       "reference_scores", "contain_eos"]
+        assert table["contain_eos"].dtype == bool
         assert len(table) == len(data[split])  # every row once
         # the reference scores are the reward model's scores of [left-padded query | reference]
         rows = data[split].select(range(4))
