@@ -205,6 +205,8 @@ beside() {
     MARKERS=$(mktemp -d)
     touch "$MARKERS/side" "$MARKERS/main"
     mkdir -p runs
+    # the last run's log is kept beside (a stopped run's says where its stages stopped)
+    if [[ -f $log ]]; then mv "$log" "${log%.log}.previous.log"; fi
     echo "== two chains side by side, each on $threads of $cores cores: ${names//stage_/} in the background" \
          "(output: $log), the stages below here"
     (

@@ -374,6 +374,8 @@ def test_an_interrupted_run_resumes_its_stopped_stages_when_rerun(checkout):
             result.stdout + (checkout / "runs/hello_world_side_by_side.log").read_text()
         assert resumed_from(checkout, run_folder) == [None, "update-0000003"]  # one run folder, continued
         assert not (checkout / f"models/hello_world/{stage}/checkpoints").exists()
+    # the stopped run's side-by-side log is kept beside the new one
+    assert "== dpo stopped with a checkpoint" in (checkout / "runs/hello_world_side_by_side.previous.log").read_text()
     (rm,), (dpo_call,), (ppo,) = (stage_calls(calls, s) for s in ("reward.py", "dpo.py", "ppo_left_padding.py"))
     assert rm[-1] == dpo_call[-1] == "--resume" and "--resume" not in ppo
     assert not stage_calls(calls, "sft.py")  # finished before the stop: skipped
