@@ -196,6 +196,14 @@ def test_a_model_folder_with_the_vocabulary_files_of_a_slow_tokenizer_loads(toke
     tokenizer, ours = loading.load_tokenizer(str(folder)), loading.load_tokenizer(tokenizer_dir)
     assert type(tokenizer).__name__ == "GPTNeoXTokenizer"
     assert tokenizer.encode(loading.PROBE_TEXT) == ours.encode(loading.PROBE_TEXT)
+    # without the config nothing names the class: AutoTokenizer fails (saying sentencepiece or tiktoken is
+    # missing), and load_tokenizer says what the folder lacks instead
+    (folder / "config.json").unlink()
+    with pytest.raises(Exception, match="sentencepiece or tiktoken"):
+        AutoTokenizer.from_pretrained(str(folder))
+    with pytest.raises(FileNotFoundError, match=rf"^tokenizer path {folder} holds a vocabulary but nothing that names "
+                                                r"its tokenizer class \(a tokenizer_config.json"):
+        loading.load_tokenizer(str(folder))
 
 
 def test_every_vocabulary_file_autotokenizer_reads_counts_and_a_folder_without_one_is_named(tmp_path):

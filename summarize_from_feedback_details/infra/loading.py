@@ -54,6 +54,12 @@ def check_model_path(path: str, needs: tuple = MODEL_FILES) -> None:
         missing = f"no {needs[0]}" if len(needs) == 1 else f"none of {', '.join(needs)}"
         raise FileNotFoundError(f"model path {path} holds no {what} ({missing}; it holds {listing}): a failed or "
                                 f"unfinished run?{resume}")
+    named = ("tokenizer.json", "tokenizer_config.json", "config.json")
+    if needs == TOKENIZER_FILES and not any(os.path.isfile(os.path.join(path, name)) for name in named):
+        # (transformers would answer that sentencepiece or tiktoken is missing)
+        raise FileNotFoundError(f"tokenizer path {path} holds a vocabulary but nothing that names its tokenizer class "
+                                f"(a tokenizer_config.json with tokenizer_class, or the model's config.json), so "
+                                "AutoTokenizer cannot build it: add one of them")
 
 
 # written by tldr_dataset.py into each dataset folder it builds: which tokenizer made its token ids
