@@ -6,7 +6,10 @@ Reads the run folders the stages wrote (`runs/hello_world_<stage>/`), judges the
 eval tables and the policies' validation tables with the synthetic task's gold judge (embedded
 default only; real data needs the chat judge of eval/rlhf_scaling_plot.py), and scores the SFT,
 PPO and DPO summaries (and those of RLOO, GRPO, online DPO and the PPO control with ALGOS=all) with
-the same reward model. Per policy, in this order:
+the same reward model. On the embedded default it also probes which facts the reward model checks:
+per slot (relation, problem, ask, duration, feeling), how often it prefers a validation reference to
+the same reference with that one fact swapped for a wrong one (`fact_swap_accuracy`). Per policy, in
+this order:
 - the headline (DESIGN.md section 6), every policy but SFT: its mean gold score minus SFT's, paired
   per prompt (the same validation prompt's two summaries; win_rates.paired_comparison), with its 95%
   bootstrap interval over prompts, and its head-to-head rate against SFT (gold judge, ties half) with
@@ -20,6 +23,7 @@ written as JSON beside the plots: <plots_dir>/hello_world_report.json.
 
 import json
 import os
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +36,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from summarize_from_feedback_details import win_rates
-from summarize_from_feedback_details.synthetic_tldr import gold_preference, gold_score, reward_gold_agreement
+from summarize_from_feedback_details.synthetic_tldr import (FACT_SWAP_SLOTS, gold_preference, gold_score,
+                                                            reward_gold_agreement, swap_fact)
 
 
 # (label, run folder suffix) of the policies after SFT, as hello_world.sh names their runs (ALGOS);
@@ -76,9 +81,10 @@ def reward_scores(reward_model, tokenizer, queries: list, responses: list, conta
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     scores = []
     for start in range(0, len(queries), batch_size):
-        rows = [tokenizer(q)["input_ids"] + tokenizer(r, add_special_tokens=False)["input_ids"] + [eos_id] * bool(eos)
-                for q, r, eos in zip(queries[start: start + batch_size], responses[start: start + batch_size],
-                                     contain_eos[start: start + batch_size])]
+        end = start + batch_size
+        rows = [q + r + [eos_id] * bool(eos) for q, r, eos in zip(
+            tokenizer(list(queries[start:end]))["input_ids"],
+            tokenizer(list(responses[start:end]), add_special_tokens=False)["input_ids"], contain_eos[start:end])]
         width = max(map(len, rows))
         ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])  # right padding
         scores.append(reward_model(input_ids=ids, attention_mask=ids != pad_id).logits[:, 0])
@@ -94,6 +100,29 @@ def table_reward_scores(reward_model, tokenizer, table: pd.DataFrame) -> np.ndar
     contain_eos = list(table["contain_eos"]) if "contain_eos" in table else [True] * len(table)
     return reward_scores(reward_model, tokenizer, list(table["query"]), list(table["postprocessed_response"]),
                          contain_eos)
+
+
+def fact_swap_accuracy(reward_model, tokenizer, table: pd.DataFrame, references: int = 1000) -> dict:
+    """Per slot of the synthetic task: how often the reward model prefers a validation reference (the
+    first `references` of SFT's validation table) to the same reference with that one fact made wrong
+    (`swap_fact`; ties count half), over those that state the slot, with the mean score margin. Each swap costs
+    the gold judge 2.5 or more: a reward model blind to a slot sits near 0.5 on it, and a policy
+    trained against it is free to get that fact wrong."""
+    rng, pairs = random.Random(0), {slot: [] for slot in FACT_SWAP_SLOTS}
+    for query, reference in zip(table["query"][:references], table["reference_responses"][:references]):
+        for slot in FACT_SWAP_SLOTS:
+            swapped = swap_fact(rng, query, reference, slot)
+            if swapped is not None:
+                pairs[slot].append((query, reference, swapped))
+    accuracy = {}
+    for slot, rows in pairs.items():
+        if rows:
+            queries, right, wrong = map(list, zip(*rows))
+            right, wrong = (reward_scores(reward_model, tokenizer, queries, texts, [True] * len(rows))
+                            for texts in (right, wrong))
+            accuracy[slot] = {"accuracy": float(np.mean((right > wrong) + 0.5 * (right == wrong))),
+                              "pairs": len(rows), "margin": float(np.mean(right - wrong))}
+    return accuracy
 
 
 def policy_summary(table: pd.DataFrame, reward_model, tokenizer) -> dict:
@@ -193,6 +222,8 @@ def gather(args: Args) -> dict:
     if tables and os.path.isdir(reward_model_dir):
         reward_model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
         tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
+    if args.gold_judge and reward_model is not None and "SFT" in tables:
+        numbers["fact_swaps"] = fact_swap_accuracy(reward_model, tokenizer, tables["SFT"])
     sft_scores = None
     for name, table in tables.items():
         policy = numbers["policies"][name] = {"prompts": len(table)}
@@ -265,6 +296,9 @@ def sections(numbers: dict, args: Args) -> list:
             if "gold_agreement" in entry:
                 stages.append((f"{what} agreement with the gold judge, {SPLIT_NAMES[split]}",
                                f"{entry['gold_agreement']:.3f}"))
+    for slot, entry in numbers.get("fact_swaps", {}).items():
+        stages.append((f"RM fact-swap accuracy, {slot} ({entry['pairs']} references)",
+                       f"{entry['accuracy']:.3f} (margin {entry['margin']:+.3f})"))
     where = []
     if "models" in numbers:
         where.append(("models", f"{args.models_dir}/{{{','.join(numbers['models'])}}}"))

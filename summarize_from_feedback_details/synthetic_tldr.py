@@ -425,6 +425,38 @@ def is_synthetic_post(query: str) -> bool:
     return bool(words) and all(w in POST_WORDS or AGE_OR_NUMBER.match(w) for w in words)
 
 
+# The slots a fact-swap probe edits, and each value's summary forms: what a swap puts in the place of
+# the stated form, so that the swapped summary still reads like one (a relation word for a relation
+# word, a problem clause for a problem clause). Asks carry their object pronoun ({obj}).
+FACT_SWAP_SLOTS = ("relation", "problem", "ask", "duration", "feeling")
+SUMMARY_FORMS = {"relation": {v: forms for v, (_, forms, _) in RELATIONS.items()},
+                 "problem": {v: forms for v, (_, forms) in PROBLEMS.items()},
+                 "ask": {v: forms for v, (_, forms) in ASKS.items()}, "feeling": FEELINGS}
+
+
+def swap_fact(rng: random.Random, post: str, summary: str, slot: str):
+    """`summary` with its `slot` fact made wrong and nothing else changed: the first form of the post's
+    value it states replaced by a form of another value (a duration's number moved by 1 to 3), or None
+    where the summary does not state the post's value. A reward model that prefers the summary to its
+    swap checks that fact against the post (hello_world_report's fact-swap rows)."""
+    truth = _post_facts(post)[slot]
+    if slot == "duration":
+        for match in DURATION_RE.finditer(summary):
+            unit = "years" if match.group(2).startswith("y") else "months"
+            if (int(match.group(1)), unit) in truth:
+                return f"{summary[:match.start(1)]}{int(match.group(1)) + rng.choice([1, 2, 3])}{summary[match.end(1):]}"
+        return None
+    forms = SUMMARY_FORMS[slot]
+    for value in sorted(truth):
+        for obj in ("him", "her", "them") if slot == "ask" else ("",):
+            for form in sorted(forms.get(value, []), key=len, reverse=True):
+                match = re.search(rf"(?<![a-z]){re.escape(form.format(obj=obj))}(?![a-z])", summary, re.IGNORECASE)
+                if match:
+                    other = rng.choice(sorted(v for v in forms if v not in truth and v != "ex"))
+                    return summary[:match.start()] + rng.choice(forms[other]).format(obj=obj) + summary[match.end():]
+    return None
+
+
 def gold_validation_metrics(rows: list) -> dict:
     """The gold judge on an online stage's validation rows (dicts with query, postprocessed_response,
     reference_responses): `eval/gold/score` (mean gold score of the responses), `eval/gold/win_rate`

@@ -125,6 +125,25 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     assert not any("gold" in what for what in real) and real["PPO mean reward-model score"] == f"{alone:.3f}"
 
 
+def test_fact_swap_accuracy_known_answers(monkeypatch):
+    """A scorer that is the gold judge prefers every reference to its swaps (1.0 on each slot the
+    references state); a scorer blind to the facts ties every pair (0.5, ties half); the slots a
+    reference leaves out get no pairs."""
+    from summarize_from_feedback_details.synthetic_tldr import gold_score
+
+    table = pd.DataFrame({"query": [POST] * 3, "reference_responses": [GOOD.replace("<|endoftext|>", ""),
+                                                                       " my roommate has not paid rent.",
+                                                                       " roommate owes rent, I am angry."]})
+    gold = lambda model, tokenizer, queries, texts, eos: np.array([gold_score(q, t) for q, t in zip(queries, texts)])
+    monkeypatch.setattr(report, "reward_scores", gold)
+    accuracy = report.fact_swap_accuracy(None, None, table)
+    assert {slot: entry["pairs"] for slot, entry in accuracy.items()} == {
+        "relation": 3, "problem": 3, "ask": 1, "duration": 1, "feeling": 2}
+    assert all(entry["accuracy"] == 1.0 and entry["margin"] >= 2.5 for entry in accuracy.values())
+    monkeypatch.setattr(report, "reward_scores", lambda model, tokenizer, queries, texts, eos: np.zeros(len(texts)))
+    assert {entry["accuracy"] for entry in report.fact_swap_accuracy(None, None, table).values()} == {0.5}
+
+
 def test_a_response_the_policy_did_not_end_is_scored_at_its_last_token(tmp_path, tokenizer_dir, tokenizer):
     """The report scores each response where the stage scored it: at the EOS of one the policy ended,
     at the last token of one that ran out of tokens (`contain_eos` False), with no EOS appended; a

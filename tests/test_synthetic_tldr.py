@@ -378,3 +378,29 @@ def test_pretrain_posts_end_in_a_tldr_that_states_every_fact(tmp_path):
         truth, said = st.extract_facts(post), st.extract_facts(tldr)
         for slot in st.SCORE_WEIGHTS:  # every fact stated once, and right
             assert len(said[slot]) == 1 and set(said[slot]) <= set(truth[slot]), (slot, post, tldr)
+
+
+def test_a_fact_swap_makes_that_fact_wrong_and_changes_nothing_else():
+    """swap_fact edits one slot of a summary that states the post's value: that slot now states a wrong
+    value, every other slot reads as before, and the gold judge takes 2.5 or more off; a slot the summary
+    does not state (or states wrongly already) gives None."""
+    rng, swapped = random.Random(3), {slot: 0 for slot in st.FACT_SWAP_SLOTS}
+    for _ in range(300):
+        facts = st._sample_facts(rng, rng.choice(sorted(st.SUBREDDITS)))
+        _, post = st.make_post(rng, facts, False)
+        summary = " " + st.summarize(rng, facts, {slot for slot in st.OPTIONAL_FACTS if rng.random() < 0.5})
+        truth, stated = st.extract_facts(post), st.extract_facts(summary)
+        for slot in st.FACT_SWAP_SLOTS:
+            edited = st.swap_fact(rng, post, summary, slot)
+            if not stated[slot]:
+                assert edited is None
+                continue
+            swapped[slot] += 1
+            after = st.extract_facts(edited)
+            assert after[slot] and not set(after[slot]) <= set(truth[slot]), (summary, edited)
+            assert all(after[other] == stated[other] for other in st.FACT_SWAP_SLOTS if other != slot), (summary, edited)
+            assert st.gold_score(post, summary) - st.gold_score(post, edited) >= 2.5
+    assert min(swapped.values()) > 50  # every slot was tried
+    wrong = " my landlord plays loud music."  # the post's relation is not a landlord
+    post = "POST: my roommate (27M) plays loud music every night."
+    assert st.swap_fact(random.Random(0), post, wrong, "relation") is None
