@@ -39,10 +39,16 @@ cd "$(dirname "$0")"
 SEED=${SEED:-1}
 # The embedded default's architecture (tiny_models.py --arch): gpt_neox (Pythia, the paper's), llama
 # (Llama 3.2's layout and tokenizer conventions) or qwen3 (Qwen3's); each in its own folders.
+# BASE_BUDGET: the base model's pretraining in tokens per parameter. At GPT-NeoX's 3, the policy's SFT
+# on a Llama-style tiny-m named the post's relation right in 0.09 / 0.97 / 0.16 / 0.10 of its summaries
+# over base seeds 1-4 (GPT-NeoX: 1.00), a Qwen3-style one in 0.33 / 1.00 / 1.00 / 0.56; at 6, Llama
+# 0.30 / 1.00 / 1.00 / 1.00 and Qwen3 1.00 on all four; at 12, Llama 1.00 on all four
+# (docs/real_pipeline.md, "What makes the tiny Llama- and Qwen3-style bases copy the facts").
 ARCH=${ARCH:-gpt_neox}
 case $ARCH in
-    gpt_neox) TINY_PREFIX=pythia BASE_MODELS_DIR=models/tiny ;;
-    llama | qwen3) TINY_PREFIX=$ARCH BASE_MODELS_DIR=models/tiny_$ARCH ;;
+    gpt_neox) TINY_PREFIX=pythia BASE_MODELS_DIR=models/tiny BASE_BUDGET=3 ;;
+    llama) TINY_PREFIX=$ARCH BASE_MODELS_DIR=models/tiny_$ARCH BASE_BUDGET=12 ;;
+    qwen3) TINY_PREFIX=$ARCH BASE_MODELS_DIR=models/tiny_$ARCH BASE_BUDGET=6 ;;
     *) echo "ARCH: '$ARCH' is none of: gpt_neox llama qwen3" >&2; exit 2 ;;
 esac
 MODEL=${MODEL:-$BASE_MODELS_DIR/$TINY_PREFIX-tiny-m}
@@ -175,17 +181,17 @@ SIDE_PID=
 MARKERS=
 # a failed or interrupted run stops the chain beside it too (a background job ignores Ctrl-C): its
 # stage, stopped by SIGTERM, writes a checkpoint at the end of its update, which the next run
-# resumes; waiting for it keeps the rerun from finding its folder still in use
+# resumes, and no stage after it starts; waiting for the chain keeps the rerun from finding that
+# folder still in use, and lets the chain log where its stage stopped
 stop_side_chain() {
     if [[ -n $SIDE_PID ]]; then
-        local stages stage
+        local stages
         stages=$(pgrep -P "$SIDE_PID" || true)
-        kill "$SIDE_PID" 2>/dev/null || true
-        for stage in $stages; do
-            kill -TERM "$stage" 2>/dev/null || continue
-            echo "== stopping the stage beside (pid $stage): it writes a checkpoint first" >&2
-            while kill -0 "$stage" 2>/dev/null; do sleep 0.2; done
-        done
+        if [[ -n $stages ]]; then
+            echo "== stopping the stage beside (pid ${stages//$'\n'/, }): it writes a checkpoint first" >&2
+        fi
+        kill -TERM "$SIDE_PID" $stages 2>/dev/null || true
+        wait "$SIDE_PID" 2>/dev/null || true
     fi
     if [[ -n $MARKERS ]]; then rm -rf "$MARKERS"; fi
 }
@@ -211,8 +217,14 @@ beside() {
          "(output: $log), the stages below here"
     (
         trap 'rm -f "$MARKERS/side"' EXIT
+        # stop_side_chain's SIGTERM (its stage gets one of its own): no later stage starts
+        stopping=
+        trap 'stopping=1' TERM
         export OMP_NUM_THREADS=$threads TAKE_CORES_WHEN_GONE="$cores $MARKERS/main"
-        for stage in ${side[@]+"${side[@]}"}; do $stage; done
+        for stage in ${side[@]+"${side[@]}"}; do
+            if [[ -n $stopping ]]; then exit 75; fi
+            $stage
+        done
     ) >"$log" 2>&1 &
     SIDE_PID=$!
     export OMP_NUM_THREADS=$threads TAKE_CORES_WHEN_GONE="$cores $MARKERS/side"
@@ -360,7 +372,7 @@ if [[ $TINY == 1 ]]; then
         run_stage "tiny base model $TINY_PREFIX-tiny-$size" $BASE_MODELS_DIR/$TINY_PREFIX-tiny-$size \
             $PY -m summarize_from_feedback_details.tiny_models --corpus $RAW_DIR/tldr_sft/train.jsonl \
                 --extra_corpus $RAW_DIR/pretrain/train.jsonl --output_dir $BASE_MODELS_DIR --sizes "$size" \
-                --seed 1 --arch "$ARCH"
+                --seed 1 --arch "$ARCH" --pretrain_tokens_per_parameter "$BASE_BUDGET"
     done
     run_stage "tldr_dataset.py" $DATASET_DIR \
         $PY summarize_from_feedback_details/tldr_dataset.py --base_model "$MODEL" \
