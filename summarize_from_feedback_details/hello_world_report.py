@@ -105,21 +105,24 @@ def table_reward_scores(reward_model, tokenizer, table: pd.DataFrame) -> np.ndar
 def fact_swap_accuracy(reward_model, tokenizer, table: pd.DataFrame, references: int = 1000) -> dict:
     """Per slot of the synthetic task: how often the reward model prefers a validation reference (the
     first `references` of SFT's validation table) to the same reference with that one fact made wrong
-    (`swap_fact`; ties count half), over those that state the slot, with the mean score margin. Each swap costs
-    the gold judge 2.5 or more: a reward model blind to a slot sits near 0.5 on it, and a policy
-    trained against it is free to get that fact wrong."""
+    (`swap_fact`; ties count half), over those that state the slot, with the mean score margin. Each
+    swap costs the gold judge 2.5 or more: a reward model blind to a slot sits near 0.5 on it, and a
+    policy trained against it is free to get that fact wrong."""
+    queries, texts = list(table["query"][:references]), list(table["reference_responses"][:references])
     rng, pairs = random.Random(0), {slot: [] for slot in FACT_SWAP_SLOTS}
-    for query, reference in zip(table["query"][:references], table["reference_responses"][:references]):
+    for row, (query, reference) in enumerate(zip(queries, texts)):
         for slot in FACT_SWAP_SLOTS:
             swapped = swap_fact(rng, query, reference, slot)
             if swapped is not None:
-                pairs[slot].append((query, reference, swapped))
+                pairs[slot].append((row, swapped))
+    # each reference scored once, for every slot it is paired in
+    reference_scores = reward_scores(reward_model, tokenizer, queries, texts, [True] * len(texts))
     accuracy = {}
-    for slot, rows in pairs.items():
-        if rows:
-            queries, right, wrong = map(list, zip(*rows))
-            right, wrong = (reward_scores(reward_model, tokenizer, queries, texts, [True] * len(rows))
-                            for texts in (right, wrong))
+    for slot, swaps in pairs.items():
+        if swaps:
+            rows, swapped = map(list, zip(*swaps))
+            right = reference_scores[rows]
+            wrong = reward_scores(reward_model, tokenizer, [queries[row] for row in rows], swapped, [True] * len(rows))
             accuracy[slot] = {"accuracy": float(np.mean((right > wrong) + 0.5 * (right == wrong))),
                               "pairs": len(rows), "margin": float(np.mean(right - wrong))}
     return accuracy

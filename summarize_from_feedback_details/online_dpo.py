@@ -41,10 +41,9 @@ Choices, with their sources:
 
 Where this file differs from the Async RLHF code: each generation chunk's sampling noise is seeded from
 (seed, update, position in the global batch, sample), so one process and N draw the same responses
-(theirs: each rank's global torch stream); `[PAD]` and the ids past `len(tokenizer)` (embedding rows no
-token has) are never sampled and have probability 0 in the loss's logprobs; statistics cover real tokens
-of the global batch (their `objective/entropy` counted -1 per position after the EOS, `num_eos_tokens` counted
-rank 0's EOS tokens, junk after the first included); one step per batch is the only choice (their
+(theirs: each rank's global torch stream); `[PAD]` and the ids past `len(tokenizer)` are never sampled; statistics
+cover real tokens of the global batch (their `objective/entropy` counted -1 per position after the EOS, `num_eos_tokens`
+counted rank 0's EOS tokens, junk after the first included); one step per batch is the only choice (their
 `num_ppo_epochs` / `num_mini_batches` allowed more). The loss normalisation is theirs in effect: their
 mean per micro-batch, averaged by accelerate, is the global mean, every micro-batch holding as many pairs.
 Per update it logs PPO's `objective/` metrics (`objective/validation_score` on new held-out posts each
@@ -289,11 +288,9 @@ def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0
 
 
 def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int, vocab_end: int) -> torch.Tensor:
-    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` and the ids at or beyond
-    `vocab_end` (len(tokenizer): embedding rows no token has, which RL can make likely) impossible, as
-    the rollout engine samples them: the same operations HF's temperature and suppress-tokens processors
-    apply in generation. The lowest float instead of -inf gives the same softmax and keeps the entropy
-    finite."""
+    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` and the ids from `vocab_end`
+    (len(tokenizer): rows no token has) impossible, HF's temperature and suppress-tokens processors in
+    generation. The lowest float instead of -inf gives the same softmax and keeps the entropy finite."""
     logits = logits.float() / (temperature + 1e-7)
     ids = torch.arange(logits.shape[-1], device=logits.device)
     return logits.masked_fill((ids == pad_id) | (ids >= vocab_end), torch.finfo(logits.dtype).min)
@@ -347,8 +344,7 @@ def response_logprob_sums(model, query_responses: torch.Tensor, responses: torch
     over the tokens up to and including the first EOS (every token where there is none), as DPO sums
     over the response and EOS of a preference pair."""
     logits = response_logits(model, query_responses, pad_id, responses.shape[1])
-    logprobs = gather_logprobs(scaled_logits(logits, temperature, pad_id, vocab_end), responses)
-    return masked_sums(logprobs, responses, eos_id)
+    return masked_sums(gather_logprobs(scaled_logits(logits, temperature, pad_id, vocab_end), responses), responses, eos_id)
 
 
 def masked_sums(values: torch.Tensor, responses: torch.Tensor, eos_id: int) -> torch.Tensor:

@@ -32,11 +32,8 @@ behaviour stays reachable where it changes results):
 - each PPO epoch permutes the global batch from (seed, update, epoch) and every process trains on
   its share of each minibatch (the paper permuted each rank's own rollouts with the rank's numpy
   stream, so with --nminibatches > 1 a minibatch held other rows on another process count);
-- `[PAD]` is never sampled, nor any id at or beyond `len(tokenizer)`: the embedding rows no token
-  has (Pythia 26, Qwen2.5/3 270 beside the `[PAD]`), which decode to '' and which RL can make likely
-  (NeMo-RL#237). Their logits are masked in generation and, identically, in every forward that
-  computes logprobs (policy and reference), so the ratio and the KL are exactly those of the sampling
-  distribution.
+- `[PAD]` and the ids past `len(tokenizer)` (rows no token has, which RL can make likely: NeMo-RL#237) are never
+  sampled: masked in generation and, identically, in every logprob forward, so ratio and KL are the sampler's.
 
 Only the policy is saved (`--output_dir`): a plain causal LM plus tokenizer. With DeepSpeed, policy
 + critic train under the accelerate config (ZeRO-2); the frozen reference and reward model become
@@ -306,11 +303,9 @@ def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0
 
 
 def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int, vocab_end: int) -> torch.Tensor:
-    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` and the ids at or beyond
-    `vocab_end` (len(tokenizer): embedding rows no token has, which RL can make likely) impossible, as
-    the rollout engine samples them: the same operations HF's temperature and suppress-tokens processors
-    apply in generation. The lowest float instead of -inf gives the same softmax and keeps the entropy
-    finite."""
+    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` and the ids from `vocab_end`
+    (len(tokenizer): rows no token has) impossible, HF's temperature and suppress-tokens processors in
+    generation. The lowest float instead of -inf gives the same softmax and keeps the entropy finite."""
     logits = logits.float() / (temperature + 1e-7)
     ids = torch.arange(logits.shape[-1], device=logits.device)
     return logits.masked_fill((ids == pad_id) | (ids >= vocab_end), torch.finfo(logits.dtype).min)

@@ -331,11 +331,9 @@ def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0
 
 
 def scaled_logits(logits: torch.Tensor, temperature: float, pad_id: int, vocab_end: int) -> torch.Tensor:
-    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` and the ids at or beyond
-    `vocab_end` (len(tokenizer): embedding rows no token has, which RL can make likely) impossible, as
-    the rollout engine samples them: the same operations HF's temperature and suppress-tokens processors
-    apply in generation. The lowest float instead of -inf gives the same softmax and keeps the entropy
-    finite."""
+    """The sampling distribution's logits: fp32 logits / (T + 1e-7) with `[PAD]` and the ids from `vocab_end`
+    (len(tokenizer): rows no token has) impossible, HF's temperature and suppress-tokens processors in
+    generation. The lowest float instead of -inf gives the same softmax and keeps the entropy finite."""
     logits = logits.float() / (temperature + 1e-7)
     ids = torch.arange(logits.shape[-1], device=logits.device)
     return logits.masked_fill((ids == pad_id) | (ids >= vocab_end), torch.finfo(logits.dtype).min)

@@ -197,16 +197,13 @@ def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0
                  logits_to_keep=logits_to_keep, return_dict=True).logits
 
 
-def generation_config(response_length: int, temperature: float, pad_id: int, vocab_end: int,
-                      embedding_rows: int) -> GenerationConfig:
-    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` and the ids
-    from `vocab_end` (len(tokenizer)) up to the model's `embedding_rows` (config.vocab_size), which no
-    token has and which decode to '', can never be sampled (their logits are suppressed), as in the
-    rollout engine."""
+def generation_config(response_length: int, temperature: float, pad_id: int, vocab_end: int, rows: int):
+    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` and the ids from
+    `vocab_end` (len(tokenizer)) to the embedding's `rows`, which no token has, are never sampled."""
     return GenerationConfig(
         max_new_tokens=response_length, min_new_tokens=response_length, temperature=temperature + 1e-7,
         top_k=0, top_p=1.0, do_sample=True, eos_token_id=None, pad_token_id=None, bos_token_id=None,
-        suppress_tokens=[pad_id, *range(vocab_end, embedding_rows)],
+        suppress_tokens=[pad_id, *range(vocab_end, rows)],
     )
 
 
@@ -278,14 +275,12 @@ def rouge_scores(predictions: list, references: list) -> dict:
 
 
 @torch.no_grad()
-def evaluate(args: Args, accelerator: Accelerator, model, tokenizer, dataloader,
-             max_batches: Optional[int] = None) -> tuple:
+def evaluate(args: Args, accelerator: Accelerator, model, tokenizer, dataloader, max_batches: Optional[int] = None) -> tuple:
     """Loss on query+reference, generation (at `args.temperature`) truncated after EOS, ROUGE; gathered
     without the duplicates that sharding pads the last batch with."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     unwrapped = accelerator.unwrap_model(model)
-    config = generation_config(args.response_length, args.temperature, pad_id, len(tokenizer),
-                               unwrapped.config.vocab_size)
+    config = generation_config(args.response_length, args.temperature, pad_id, len(tokenizer), unwrapped.config.vocab_size)
     loss_sums, counts, rows = [], [], []
     for i, batch in enumerate(dataloader):
         if max_batches is not None and i >= max_batches:
