@@ -360,7 +360,7 @@ run_online_methods() {
 
 if [[ $TINY == 1 ]]; then
     run_stage "synthetic TL;DR data" $RAW_DIR \
-        $PY -m summarize_from_feedback_details.synthetic_tldr --output_dir $RAW_DIR --seed 1 --num_pretrain_posts 6000
+        $PY -m summarize_from_feedback_details.synthetic_tldr --output_dir $RAW_DIR "${TINY_DATA_FLAGS[@]}"
     # the size MODEL names; with --data every size (what scaling.sh, compare.sh and the sbatch chain
     # read). All sizes share one tokenizer; a size built before is kept (tiny_models.build). The base
     # models also read 6,000 posts that end in their author's TL;DR, as real base models have: tiny-l
@@ -398,8 +398,10 @@ if [[ $TINY == 1 ]]; then
         run_stage "sft.py (summary tokens: the policy)" $OUT_DIR/sft/model.safetensors \
             run_training sft sft.py "${TINY_SFT[@]}" --response_only_loss --output_dir $OUT_DIR/sft
     }
-    # Two epochs of the preference pairs at batch 32: with one, one reward model in three that
-    # make compare trained let PPO state wrong optional facts (docs/embedded_default.md). Adam's epsilon
+    # Four epochs of the preference pairs at batch 32: with two, the reward model checks the problem and
+    # not the relation, the feeling or the duration, even where the pairs swap them (docs/embedded_default.md,
+    # "The reward model checks the facts"); with one, one reward model in three that make compare
+    # trained let PPO state wrong optional facts. Adam's epsilon
     # is torch's 1e-8, not the paper's 1e-5: a tiny model's last-layer gradients are near 1e-5 (tiny-l's
     # median sqrt(v) 1.3e-5 to 1.7e-5), so 1e-5 would halve the larger sizes' steps and undo the scaling
     # (docs/scaling.md, "What sets the reward model's accuracy"); Pythia runs keep the paper's 1e-5.

@@ -5,6 +5,12 @@
 # processes): hello_world.sh runs one process, the sbatch files split a batch over the nodes'
 # processes. Why each value: the comments at hello_world.sh's stages and docs/embedded_default.md.
 
+# the synthetic data (synthetic_tldr.py, seed 1): 6,000 pretraining posts for the base models, and
+# preference pairs of which 60% are minimal pairs, 60% of those a summary against itself with the relation,
+# the problem or the feeling swapped, so that the reward model checks those facts against the post
+# (docs/embedded_default.md, "The reward model checks the facts")
+TINY_DATA_FLAGS=(--seed 1 --num_pretrain_posts 6000 --minimal_pair_fraction 0.6 --fact_swap_fraction 0.6
+                 --fact_swap_slots relation problem feeling)
 # two SFT runs (all tokens: the reward model's backbone; summary tokens: the policy), one epoch of
 # the 6,000 SFT rows each
 TINY_SFT_BATCH=32

@@ -65,6 +65,13 @@ class Args:
     """of the minimal pairs that state an optional fact, the share whose edit is drawn among the optional
     facts only (the others: among every fact stated), so that a reward model sees more durations,
     feelings and asks made wrong or left out; 0 draws nothing for it (the default data unchanged)"""
+    fact_swap_fraction: float = 0.0
+    """of the minimal pairs, the share whose edit states one of `fact_swap_slots` wrong (the summary against
+    itself with that fact swapped), so that a reward model sees more of the swaps it is blind to; 0 draws
+    nothing for it"""
+    fact_swap_slots: tuple[str, ...] = ("relation",)
+    """the facts `fact_swap_fraction`'s pairs swap, one drawn per pair (of relation, problem, ask, duration,
+    feeling)"""
     num_pretrain_posts: int = 0
     """posts of their own random stream in pretrain/train.jsonl, each ending in its author's TL;DR that states
     every fact: text for the base models to pretrain on besides the SFT posts (tiny_models --extra_corpus), as a
@@ -607,22 +614,28 @@ def wrong_value(rng: random.Random, facts: dict, slot: str):
 
 
 def minimal_pair(rng: random.Random, facts: dict, news: bool = False, omit_vs_wrong: float = 0.0,
-                 optional_focus: float = 0.0) -> list:
+                 optional_focus: float = 0.0, fact_swap: float = 0.0, swap_slots: tuple = ("relation",)) -> list:
     """Two summaries in the same words but for one fact: [(policy, text, note)] of a summary and its
     edit, which states one of its facts wrong (`min_wrong`) or leaves an optional one out
     (`min_omit`). Such pairs isolate what a fact is worth, so a reward model can learn to check a
     fact against the post and to value stating it, not only the style of whole policies. With
     `omit_vs_wrong` > 0, that share of the pairs whose fact is optional sets the two edits against
     each other instead: the summary without the fact against the one that states it wrong. With
-    `optional_focus` > 0, that share of the pairs that state an optional fact edit one of those."""
+    `optional_focus` > 0, that share of the pairs that state an optional fact edit one of those. With
+    `fact_swap` > 0, that share of all pairs states one of `swap_slots` wrong (stated in both summaries)."""
     include = {slot for slot in OPTIONAL_FACTS if rng.random() < 0.5}
-    stated = ["relation", "problem", *sorted(include)]
     # (no draw at 0: the default data stays what it was)
-    focus = optional_focus > 0 and bool(include) and rng.random() < optional_focus
-    slot = rng.choice(sorted(include) if focus else stated)
-    # (no draw at 0 either)
-    contrast = omit_vs_wrong > 0 and slot in include and rng.random() < omit_vs_wrong
-    omit = not contrast and slot in include and rng.random() < MINIMAL_OMIT_SHARE
+    swap = fact_swap > 0 and rng.random() < fact_swap
+    if swap:
+        slot = rng.choice(sorted(swap_slots))
+        include |= {slot} & set(OPTIONAL_FACTS)
+    else:
+        stated = ["relation", "problem", *sorted(include)]
+        # (no draw at 0 either)
+        focus = optional_focus > 0 and bool(include) and rng.random() < optional_focus
+        slot = rng.choice(sorted(include) if focus else stated)
+    contrast = not swap and omit_vs_wrong > 0 and slot in include and rng.random() < omit_vs_wrong
+    omit = not swap and not contrast and slot in include and rng.random() < MINIMAL_OMIT_SHARE
     edited_facts, edited_include = dict(facts), set(include)
     if omit:
         edited_include.discard(slot)
@@ -755,7 +768,8 @@ def generate_comparisons(rng: random.Random, split: str, count: int, news: bool,
         reference = reference_summary(rng, facts, news)
         for _ in range(rng.choice([1, 2, 2, 3])):
             if rng.random() < args.minimal_pair_fraction:
-                pair = minimal_pair(rng, facts, news, args.omit_vs_wrong_fraction, args.optional_fact_focus)
+                pair = minimal_pair(rng, facts, news, args.omit_vs_wrong_fraction, args.optional_fact_focus,
+                                    args.fact_swap_fraction, args.fact_swap_slots)
                 rng.shuffle(pair)
             else:
                 pair = []

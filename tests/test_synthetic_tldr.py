@@ -356,6 +356,28 @@ def test_optional_fact_focus_edits_the_optional_facts():
     assert {"relation", "problem"} <= set(default)
 
 
+def test_fact_swap_pairs_state_the_named_facts_wrong():
+    """--fact_swap_fraction 1: every minimal pair sets a summary against itself with one of
+    --fact_swap_slots stated wrong (an optional one stated in both), nothing else changed, and the gold
+    judge prefers the right fact by 2.5 or more; at 0 (the default) the pairs are drawn as before."""
+    swapped = set()
+    for seed in range(200):
+        rng, facts, post = _example(seed)
+        (policy, text, _), (edited_policy, edited, note) = st.minimal_pair(
+            rng, facts, fact_swap=1.0, swap_slots=("relation", "duration"))
+        slot = note.split()[1]
+        assert (policy, edited_policy, note) == ("min_base", "min_wrong", f"wrong {slot}")
+        said, edited_said = st.extract_facts(text), st.extract_facts(edited)
+        assert said[slot] and edited_said[slot] and said[slot] != edited_said[slot]
+        assert {s for s in st.SCORE_WEIGHTS if said[s] != edited_said[s]} == {slot}
+        assert st.gold_score(post, " " + text) - st.gold_score(post, " " + edited) >= 2.5
+        swapped.add(slot)
+    assert swapped == {"relation", "duration"}
+    for seed in range(50):
+        draws = [st.minimal_pair(*_example(seed)[:2], **more) for more in ({}, {"fact_swap": 0.0})]
+        assert draws[0] == draws[1]
+
+
 def test_pretrain_posts_end_in_a_tldr_that_states_every_fact(tmp_path):
     """--num_pretrain_posts writes pretrain/train.jsonl (posts whose author's TL;DR states every fact right)
     from a random stream of its own: every other file is what the generator writes without it."""
