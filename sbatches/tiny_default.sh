@@ -15,9 +15,9 @@ TINY_DATA_FLAGS=(--seed 1 --num_pretrain_posts 6000 --minimal_pair_fraction 0.6 
 # the 6,000 SFT rows each
 TINY_SFT_BATCH=32
 TINY_SFT_FLAGS=(--lr 3e-3 --response_length 32 --local_eval_batch_size 100)
-# the reward model: two epochs of the preference pairs, from the all-tokens SFT, Adam's epsilon 1e-8
+# the reward model: four epochs of the preference pairs, from the all-tokens SFT, Adam's epsilon 1e-8
 TINY_RM_BATCH=32
-TINY_RM_FLAGS=(--lr 1e-3 --eps 1e-8 --num_train_epochs 2 --local_eval_batch_size 100)
+TINY_RM_FLAGS=(--lr 1e-3 --eps 1e-8 --num_train_epochs 4 --local_eval_batch_size 100)
 # PPO: TINY_PPO_UPDATES updates of TINY_PPO_BATCH rollouts in micro-batches of TINY_PPO_MICRO_BATCH;
 # RLOO, GRPO and online DPO run at the same budget with the same flags (episodes = queries x samples)
 TINY_PPO_BATCH=64

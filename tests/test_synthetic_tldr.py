@@ -3,11 +3,15 @@ import filecmp
 import json
 import os
 import random
+import subprocess
 
 import pytest
+import tyro
 from conftest import small_synthetic_args
 
 from summarize_from_feedback_details import synthetic_tldr as st
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def read_jsonl(path):
@@ -302,12 +306,21 @@ def test_summary_wording_does_not_depend_on_the_facts_stated():
         assert full.startswith(clause) and full.endswith(". " + ask) and len(full) > len(no_feeling)
 
 
-def test_default_task_is_honest(tmp_path):
-    """The bounds issue 33 sets on the default generator (label_stats.json): noisy labels (the gold judge
-    agrees with at most 0.90 of them), length alone no predictor (the longer summary chosen at most
-    0.55 of the time), a reference that is good but beatable."""
-    stats = st.generate(st.Args(output_dir=str(tmp_path / "raw"), num_sft_train=10, num_sft_validation=400,
-                                num_sft_test=10, num_comparison_train=3000))
+def embedded_default_data_flags() -> list:
+    """TINY_DATA_FLAGS of sbatches/tiny_default.sh: the generator flags of hello_world's data."""
+    script = 'source sbatches/tiny_default.sh; printf "%s\\n" "${TINY_DATA_FLAGS[@]}"'
+    return subprocess.run(["bash", "-c", script], cwd=ROOT, check=True, capture_output=True, text=True).stdout.split()
+
+
+@pytest.mark.parametrize("flags", ["generator", "hello_world"])
+def test_default_task_is_honest(tmp_path, flags):
+    """The bounds issue 33 sets on the default generator and on hello_world's data (label_stats.json):
+    noisy labels (the gold judge agrees with at most 0.90 of them), length alone no predictor (the longer
+    summary chosen at most 0.55 of the time), a reference that is good but beatable."""
+    given = embedded_default_data_flags() if flags == "hello_world" else []
+    args = tyro.cli(st.Args, args=[*given, "--num_pretrain_posts", "0"])
+    stats = st.generate(dataclasses.replace(args, output_dir=str(tmp_path / "raw"), num_sft_train=10,
+                                            num_sft_validation=400, num_sft_test=10, num_comparison_train=3000))
     for split in ("train", "validation"):
         assert 0.7 < stats[split]["gold_label_agreement"] <= 0.90
         assert 0.35 < stats[split]["longer_summary_chosen_rate"] <= 0.55
