@@ -622,7 +622,7 @@ def minimal_pair(rng: random.Random, facts: dict, news: bool = False, omit_vs_wr
     `omit_vs_wrong` > 0, that share of the pairs whose fact is optional sets the two edits against
     each other instead: the summary without the fact against the one that states it wrong. With
     `optional_focus` > 0, that share of the pairs that state an optional fact edit one of those. With
-    `fact_swap` > 0, that share of all pairs states one of `swap_slots` wrong (stated in both summaries)."""
+    `fact_swap` > 0, that share of the pairs states one of `swap_slots` wrong (stated in both summaries)."""
     include = {slot for slot in OPTIONAL_FACTS if rng.random() < 0.5}
     # (no draw at 0: the default data stays what it was)
     swap = fact_swap > 0 and rng.random() < fact_swap
@@ -851,6 +851,9 @@ def _write_jsonl(path: str, rows: list) -> None:
 
 def generate(args: Args) -> dict:
     """Writes the raw files into `args.output_dir` (atomically) and returns the label statistics."""
+    unknown = sorted(set(args.fact_swap_slots) - set(FACT_SWAP_SLOTS))
+    if unknown:
+        raise ValueError(f"--fact_swap_slots: {', '.join(unknown)} is none of {', '.join(FACT_SWAP_SLOTS)}")
     def rng_for(name: str) -> random.Random:
         return random.Random(f"{args.seed}-{name}")
 

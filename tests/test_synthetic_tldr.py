@@ -391,6 +391,14 @@ def test_fact_swap_pairs_state_the_named_facts_wrong():
         assert draws[0] == draws[1]
 
 
+def test_unknown_fact_swap_slot_is_refused_before_anything_is_written(tmp_path):
+    args = dataclasses.replace(small_synthetic_args(str(tmp_path / "raw")), fact_swap_fraction=0.5,
+                               fact_swap_slots=("relation", "relatoin"))
+    with pytest.raises(ValueError, match="relatoin is none of relation, problem, ask, duration, feeling"):
+        st.generate(args)
+    assert not os.path.exists(tmp_path / "raw")
+
+
 def test_pretrain_posts_end_in_a_tldr_that_states_every_fact(tmp_path):
     """--num_pretrain_posts writes pretrain/train.jsonl (posts whose author's TL;DR states every fact right)
     from a random stream of its own: every other file is what the generator writes without it."""
