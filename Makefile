@@ -73,7 +73,8 @@ scaling: install
 # Opt-in, not part of `make test`: the methods side by side on the embedded default at equal episodes
 # (SFT, PPO, DPO, RLOO k=2 and k=4, GRPO, online DPO) at tiny-m x seeds 1 2 3, reusing make scaling's
 # SFT, reward model and PPO runs where they exist; then eval/images/compare/ (compare.sh; SIZES="m l"
-# adds tiny-l, SEEDS others).
+# adds tiny-l, SEEDS others; `make compare ARCH=llama` (or qwen3) the Llama-style embedded default, into
+# eval/images/compare_llama/).
 .PHONY: compare
 compare: install
 	./compare.sh

@@ -38,19 +38,11 @@ cd "$(dirname "$0")"
 
 SEED=${SEED:-1}
 # The embedded default's architecture (tiny_models.py --arch): gpt_neox (Pythia, the paper's), llama
-# (Llama 3.2's layout and tokenizer conventions) or qwen3 (Qwen3's); each in its own folders.
-# BASE_BUDGET: the base model's pretraining in tokens per parameter. At GPT-NeoX's 3, the policy's SFT
-# on a Llama-style tiny-m named the post's relation right in 0.09 / 0.97 / 0.16 / 0.10 of its summaries
-# over base seeds 1-4 (GPT-NeoX: 1.00), a Qwen3-style one in 0.33 / 1.00 / 1.00 / 0.56; at 6, Llama
-# 0.30 / 1.00 / 1.00 / 1.00 and Qwen3 1.00 on all four; at 12, Llama 1.00 on all four
-# (docs/real_pipeline.md, "What makes the tiny Llama- and Qwen3-style bases copy the facts").
+# (Llama 3.2's layout and tokenizer conventions) or qwen3 (Qwen3's); each in its own folders
+# (tiny_arch_folders in sbatches/tiny_default.sh: where its models live and its pretraining budget).
 ARCH=${ARCH:-gpt_neox}
-case $ARCH in
-    gpt_neox) TINY_PREFIX=pythia BASE_MODELS_DIR=models/tiny BASE_BUDGET=3 ;;
-    llama) TINY_PREFIX=$ARCH BASE_MODELS_DIR=models/tiny_$ARCH BASE_BUDGET=12 ;;
-    qwen3) TINY_PREFIX=$ARCH BASE_MODELS_DIR=models/tiny_$ARCH BASE_BUDGET=6 ;;
-    *) echo "ARCH: '$ARCH' is none of: gpt_neox llama qwen3" >&2; exit 2 ;;
-esac
+source sbatches/tiny_default.sh
+tiny_arch_folders "$ARCH" || exit 2
 MODEL=${MODEL:-$BASE_MODELS_DIR/$TINY_PREFIX-tiny-m}
 FORCE=0
 DATA_ONLY=0
@@ -110,8 +102,7 @@ wanted() { [[ " ${algos[*]+"${algos[*]}"} " == *" $1 "* ]]; }
 # --- the embedded default ------------------------------------------------------------------------
 RAW_DIR=data/raw                  # synthetic raw files in the upstream schemas
 # BASE_MODELS_DIR (above): <prefix>-tiny-{s,m,l}, one shared tokenizer; each size built when first used
-# the stage settings, shared with the sbatch chain's TINY=1
-source sbatches/tiny_default.sh
+# the stage settings (sbatches/tiny_default.sh, sourced above) are shared with the sbatch chain's TINY=1
 PPO_UPDATES=${PPO_UPDATES:-$TINY_PPO_UPDATES}  # of 64 rollouts (the paper: 1953 of 512; embedded_default.md: why 15)
 DPO_PAIRS=${DPO_PAIRS:-$TINY_DPO_PAIRS}        # DPO's one pass over this many pairs (the reward model takes all)
 # Lengths of the tiny default (the paper: 512 / 53 / 562 / 169 / 638 and 1919 / 155 / 2021).
@@ -361,13 +352,13 @@ run_online_methods() {
 if [[ $TINY == 1 ]]; then
     run_stage "synthetic TL;DR data" $RAW_DIR \
         $PY -m summarize_from_feedback_details.synthetic_tldr --output_dir $RAW_DIR "${TINY_DATA_FLAGS[@]}"
-    # the size MODEL names; with --data every size (what scaling.sh, compare.sh and the sbatch chain
-    # read). All sizes share one tokenizer; a size built before is kept (tiny_models.build). The base
-    # models also read 6,000 posts that end in their author's TL;DR, as real base models have: tiny-l
-    # then copies every fact of a post into a summary before fine-tuning, tiny-m not the feeling
-    # and the duration (the size effect of docs/scaling.md).
+    # the size MODEL names; with --data every size (what scaling.sh and the sbatch chain read) or those
+    # SIZES lists (compare.sh: the sizes it compares). All sizes share one tokenizer; a size built before
+    # is kept (tiny_models.build). The base models also read 6,000 posts that end in their author's
+    # TL;DR, as real base models have: tiny-l then copies every fact of a post into a summary before
+    # fine-tuning, tiny-m not the feeling and the duration (the size effect of docs/scaling.md).
     sizes=("${MODEL##*/$TINY_PREFIX-tiny-}")
-    if [[ $DATA_ONLY == 1 ]]; then sizes=(s m l); fi
+    if [[ $DATA_ONLY == 1 ]]; then read -ra sizes <<<"${SIZES:-s m l}"; fi
     for size in ${sizes[@]+"${sizes[@]}"}; do
         run_stage "tiny base model $TINY_PREFIX-tiny-$size" $BASE_MODELS_DIR/$TINY_PREFIX-tiny-$size \
             $PY -m summarize_from_feedback_details.tiny_models --corpus $RAW_DIR/tldr_sft/train.jsonl \

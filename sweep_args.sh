@@ -27,12 +27,14 @@ parse_sweep_args() {
     fi
 }
 
-# check_base_models: every size of `sizes` has its tiny base model (after ./hello_world.sh --data)
+# check_base_models: every size of `sizes` has its tiny base model (after ./hello_world.sh --data), in
+# BASE_MODELS_DIR/TINY_PREFIX-tiny-<size> (sbatches/tiny_default.sh's tiny_arch_folders; unset: Pythia's)
 check_base_models() {
-    local size
+    local size model
     for size in ${sizes[@]+"${sizes[@]}"}; do
-        [[ -d models/tiny/pythia-tiny-$size ]] ||
-            { echo "no base model models/tiny/pythia-tiny-$size (the tiny sizes are those of tiny_models.SIZES)" >&2
+        model=${BASE_MODELS_DIR:-models/tiny}/${TINY_PREFIX:-pythia}-tiny-$size
+        [[ -d $model ]] ||
+            { echo "no base model $model (the tiny sizes are those of tiny_models.SIZES)" >&2
               exit 2; }
     done
 }

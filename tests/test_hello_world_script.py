@@ -541,18 +541,22 @@ def test_algos_chooses_the_methods_after_the_reward_model(checkout):
 HELLO_WORLD_RECORDER = """#!/usr/bin/env python3
 import json, os, sys
 with open(os.environ["RECORD"], "a") as f:
-    f.write(json.dumps(["hello_world.sh", *sys.argv[1:], {k: os.environ.get(k) for k in ("NAME", "MODEL", "SEED", "ALGOS")}]) + "\\n")
+    env = {k: os.environ.get(k) for k in ("NAME", "MODEL", "SEED", "ALGOS")}
+    env.update({k: os.environ[k] for k in ("ARCH", "SIZES") if k in os.environ})  # compare.sh's only
+    f.write(json.dumps(["hello_world.sh", *sys.argv[1:], env]) + "\\n")
 """
 
 
 @pytest.fixture
 def scaling_checkout(tmp_path):
-    for name in ("scaling.sh", "compare.sh", "sweep_args.sh"):
+    for name in ("scaling.sh", "compare.sh", "sweep_args.sh", "sbatches/tiny_default.sh"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     executable(tmp_path / "hello_world.sh", HELLO_WORLD_RECORDER)
     executable(tmp_path / ".venv/bin/python", RECORDER)
     for size in "sml":
         (tmp_path / "models/tiny" / f"pythia-tiny-{size}").mkdir(parents=True)
+    (tmp_path / "models/tiny_llama/llama-tiny-m").mkdir(parents=True)
     return tmp_path
 
 
@@ -617,9 +621,9 @@ def test_compare_runs_every_method_per_seed_through_hello_world_then_the_table(s
 
     result, calls = run_compare()
     assert result.returncode == 0, result.stderr
-    assert calls[0][:2] == ["hello_world.sh", "--data"]
+    assert calls[0][:2] == ["hello_world.sh", "--data"] and calls[0][-1]["SIZES"] == "m"  # only the sizes compared
     assert [c[-1] for c in calls[1:4]] == [{"NAME": f"scaling_m_{seed}", "MODEL": "models/tiny/pythia-tiny-m",
-                                            "SEED": seed, "ALGOS": "all"} for seed in "123"]
+                                            "SEED": seed, "ALGOS": "all", "ARCH": "gpt_neox"} for seed in "123"]
     assert all(len(c) == 2 for c in calls[1:4])  # no --force: finished stages are reused
     plots = calls[4:]
     assert [c[1] for c in plots] == ["eval/rlhf_scaling_plot.py", "eval/compare_table.py"]
@@ -629,8 +633,18 @@ def test_compare_runs_every_method_per_seed_through_hello_world_then_the_table(s
     assert result.returncode == 0, result.stderr
     assert [(c[1], c[-1]["NAME"]) for c in calls[1:3]] == [("--force", "scaling_m_7"), ("--force", "scaling_l_7")]
     assert flag(calls[3], "--run_glob") == "scaling_[ml]_*"
+    # another architecture: its base models, its own run names and plots folder, apart from Pythia's
+    result, calls = run_compare(ARCH="llama", SEEDS="2")
+    assert result.returncode == 0, result.stderr
+    assert calls[0][-1]["ARCH"] == "llama"
+    assert calls[1][-1] == {"NAME": "scaling_llama_m_2", "MODEL": "models/tiny_llama/llama-tiny-m", "SEED": "2",
+                            "ALGOS": "all", "ARCH": "llama"}
+    assert all(flag(c, "--run_glob") == "scaling_llama_[m]_*" and flag(c, "--out") == "eval/images/compare_llama"
+               for c in calls[2:])
     for env, message in (({"SEEDS": "1 x"}, "is not a seed"), ({"SIZES": "m ../x"}, "is not a tiny size name"),
-                         ({"SIZES": " "}, "at least one size and one seed"), ({"SIZES": "xl"}, "no base model")):
+                         ({"SIZES": " "}, "at least one size and one seed"), ({"SIZES": "xl"}, "no base model"),
+                         ({"ARCH": "mamba"}, "ARCH: 'mamba' is none of"),
+                         ({"ARCH": "qwen3"}, "no base model models/tiny_qwen3/qwen3-tiny-m")):
         result, calls = run_compare(**env)
         assert result.returncode == 2 and message in result.stderr, (env, result.stderr)
         assert not [c for c in calls if c[0] == "hello_world.sh" and c[-1]["NAME"]]
