@@ -244,9 +244,14 @@ def gather(args: Args) -> dict:
             policy.update(rm_score=summary["rm_score"], length=summary["length"])
     for name, stage in DPO_AND_ONLINE_METHODS:
         folder = os.path.join(args.runs_dir, f"{args.prefix}{stage}")
-        kl = metric_history(folder, "objective/kl")[-5:] if os.path.isfile(os.path.join(folder, "metrics.jsonl")) else []
+        if not os.path.isfile(os.path.join(folder, "metrics.jsonl")):
+            continue
+        kl = metric_history(folder, "objective/kl")[-5:]
         if kl:
             numbers["policies"].setdefault(name, {})["kl"] = float(np.mean(kl))
+        explained = metric_history(folder, "ppo/val/explained_variance")  # PPO's critic
+        if explained:
+            numbers["policies"].setdefault(name, {})["critic_explained_variance"] = [explained[0], explained[-1]]
     if os.path.isdir(args.models_dir):
         numbers["models"] = sorted(name for name in os.listdir(args.models_dir)
                                    if os.path.isdir(os.path.join(args.models_dir, name)))
@@ -284,6 +289,9 @@ def policy_rows(name: str, policy: dict) -> list:
         rows.append((f"{name} mean response length (tokens)", f"{policy['length']:.1f}"))
     if "kl" in policy:
         rows.append((f"{name} KL to the SFT policy (nats per response, last 5 updates)", f"{policy['kl']:.2f}"))
+    if "critic_explained_variance" in policy:
+        first, last = policy["critic_explained_variance"]
+        rows.append((f"{name} critic explained variance, first / last update", f"{first:+.2f} / {last:+.2f}"))
     return rows
 
 

@@ -64,7 +64,7 @@ from summarize_from_feedback_details.infra.loading import (describe_frozen, enab
                                                            load_policy, load_reward_model, load_split_dataset,
                                                            load_tokenizer, prepare_frozen)
 from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
-from summarize_from_feedback_details.infra.tracking import PhaseTimer
+from summarize_from_feedback_details.infra.tracking import PhaseTimer, explained_variance
 from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches, derived_seed
 
 
@@ -542,10 +542,11 @@ def load_models(run, tokenizer) -> tuple:
 
 
 def update_metrics(accelerator, stats: torch.Tensor, kl, non_score_reward, scores, logprobs, padding_mask,
-                   contain_eos, sequence_lengths, validation_metrics: dict) -> dict:
+                   contain_eos, sequence_lengths, values, returns, padding_mask_p1, validation_metrics: dict) -> dict:
     """The objective/ and ppo/ metrics of an update: the rollout's statistics over the real tokens of
-    the global batch (the tensors, gathered), and the PPO epochs' from their per-(epoch, minibatch)
-    sums `stats` (STAT_NAMES), reduced over processes."""
+    the global batch (the tensors, gathered), the critic's explained variance over the positions it is
+    trained on, and the PPO epochs' from their per-(epoch, minibatch) sums `stats` (STAT_NAMES), reduced
+    over processes."""
     stats = accelerator.reduce(stats, "sum")
     stat = dict(zip(STAT_NAMES, stats.unbind(-1)))
     totals = stats.sum((0, 1))
@@ -568,6 +569,8 @@ def update_metrics(accelerator, stats: torch.Tensor, kl, non_score_reward, score
         "ppo/val/clipfrac_avg": (stat["vf_clipfrac"] / stat["value_tokens"]).mean().item(),
         "ppo/policy/entropy_avg": (stat["entropy"] / stat["policy_tokens"]).mean().item(),
         "ppo/val/ratio": (stat["ratio"] / stat["policy_tokens"]).mean().item(),
+        # the rollout's values (before this update's epochs) against the returns they are trained on
+        "ppo/val/explained_variance": explained_variance(values, returns, ~padding_mask_p1),
         # the ratio's variance over all epochs and minibatches, from r - 1 (E[r^2] - E[r]^2 cancels in float32)
         "ppo/val/ratio_var": (totals[6] / totals[7] - (totals[5] / totals[7] - 1) ** 2).item(),
         # the sanity check of the N+ paper: before any step the ratio is 1 and approxkl 0
@@ -773,8 +776,8 @@ def main(args: Args) -> None:
         # ---- logging ------------------------------------------------------------------------
         with torch.no_grad():
             metrics = {
-                **update_metrics(accelerator, stats, kl, non_score_reward, scores, logprobs, padding_mask,
-                                 contain_eos, sequence_lengths, validation_metrics),
+                **update_metrics(accelerator, stats, kl, non_score_reward, scores, logprobs, padding_mask, contain_eos,
+                                 sequence_lengths, values, returns, padding_mask_p1, validation_metrics),
                 "ppo/lr": lr_now,
                 "ppo/episode": update * args.batch_size,
                 "ppo/eps": (update - start_update) * args.batch_size / (time.time() - start),

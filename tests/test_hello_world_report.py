@@ -77,7 +77,8 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     # SFT: one win (good vs poor reference) and one loss; PPO: two wins
     write_run(runs / "hello_world_sft", [{"validation/sft/rouge/rougeL": 0.5}], {"validation_table.csv": pd.DataFrame(
         {"query": [POST, POST], "postprocessed_response": [good, poor], "reference_responses": [poor, good]})})
-    write_run(runs / "hello_world_ppo", [{"objective/kl": k} for k in (9.0, 1.0, 2.0, 3.0, 4.0, 5.0)],
+    write_run(runs / "hello_world_ppo", [{"objective/kl": k, "ppo/val/explained_variance": 1 - k}
+                                         for k in (9.0, 1.0, 2.0, 3.0, 4.0, 5.0)],
               {"validation_table.csv": pd.DataFrame({"query": [POST, POST], "postprocessed_response": [good, good],
                                                      "reference_responses": [poor, poor]})})
     # DPO: two losses
@@ -103,6 +104,9 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     assert rows["PPO KL to the SFT policy (nats per response, last 5 updates)"] == "3.00"
     assert rows["GRPO k=4 gold-judge win rate vs reference (2 prompts)"] == "0.500 [0.095, 0.905]"
     assert rows["GRPO k=4 KL to the SFT policy (nats per response, last 5 updates)"] == "1.00"
+    # PPO's critic, at its first and last update; GRPO has none
+    assert rows["PPO critic explained variance, first / last update"] == "-8.00 / -4.00"
+    assert not [what for what in rows if what.startswith("GRPO") and "critic" in what]
     # every table asks POST twice: no pairing by query, said on the headline row; the other rows stay
     assert rows["PPO minus SFT, mean gold (paired)"].startswith(
         "not paired: PPO's validation table: the query 'SUBREDDIT: r/roommates TITLE: help POST: I (25F) have liv...' "

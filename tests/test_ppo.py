@@ -257,9 +257,23 @@ def test_ratio_var_is_the_variance_of_ratios_near_one():
         ratio, real = logratio[epoch, minibatch].exp(), mask[epoch, minibatch]
         stats[epoch, minibatch, 2:] = ppo.token_stats(logratio[epoch, minibatch], ratio, zeros, zeros, real, zeros, real)
     rollout = dict(kl=zeros, non_score_reward=zeros, scores=torch.zeros(8), logprobs=zeros,
-                   padding_mask=~mask[0, 0], contain_eos=torch.ones(8, dtype=torch.bool), sequence_lengths=torch.ones(8))
+                   padding_mask=~mask[0, 0], contain_eos=torch.ones(8, dtype=torch.bool), sequence_lengths=torch.ones(8),
+                   values=zeros, returns=torch.randn(8, 16), padding_mask_p1=~mask[0, 0])
     m = ppo.update_metrics(types.SimpleNamespace(reduce=lambda t, op: t), stats, validation_metrics={}, **rollout)
     assert 5e-9 < variance < 2e-8 and m["ppo/val/ratio_var"] == pytest.approx(variance, rel=1e-3)
+
+
+def test_explained_variance_known_answers():
+    """Over the real positions only: 1 for values equal to the returns, 0 for the mean return
+    everywhere, 1 - 1/4 for errors of a quarter the returns' variance, 1 - 4 = -3 for values that
+    overshoot by the return itself (v = 3R, mean 0: Var(R - 3R) = 4 Var(R))."""
+    returns = torch.tensor([[1.0, -1.0, 5e6], [1.0, -1.0, -5e6]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    garbage = torch.tensor([[0.0, 0.0, 7.0], [0.0, 0.0, -7.0]])
+    assert tracking.explained_variance(returns + garbage, returns, mask) == 1.0
+    assert tracking.explained_variance(garbage, returns, mask) == 0.0
+    assert tracking.explained_variance(returns / 2 + garbage, returns, mask) == 0.75
+    assert tracking.explained_variance(3 * returns + garbage, returns, mask) == -3.0
 
 
 def test_adaptive_kl_controller():
@@ -720,7 +734,7 @@ METRIC_NAMES = {
     "ppo/loss/policy_avg", "ppo/loss/value_avg", "ppo/val/clipfrac_avg", "ppo/policy/entropy_avg", "ppo/val/ratio",
     "ppo/val/ratio_var", "ppo/val/ratio_first_minibatch", "ppo/policy/approxkl_first_minibatch",
     "ppo/policy/clipfrac_first_minibatch", "ppo/val/num_eos_tokens", "ppo/val/response_length", "ppo/lr",
-    "ppo/episode", "ppo/eps",
+    "ppo/episode", "ppo/eps", "ppo/val/explained_variance",
 }
 PHASES = ("validation", "generation", "reference_forward", "value_forward", "reward_forward", "advantages",
           "ppo_epochs")
@@ -774,6 +788,7 @@ def test_smoke_one_update_of_the_tiny_default(tiny_datasets, checkpoints, tmp_pa
     assert m["ppo/val/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-5)
     assert m["ppo/policy/approxkl_first_minibatch"] < 1e-9 and m["ppo/policy/clipfrac_first_minibatch"] == 0
     assert abs(m["objective/kl"]) < 1e-4  # policy == reference before the first step
+    assert math.isfinite(m["ppo/val/explained_variance"]) and m["ppo/val/explained_variance"] < 1
     # the SFT stand-in ends some responses, not all: masks and the EOS penalty both take part
     assert 8 <= m["ppo/val/num_eos_tokens"] <= 56 and 8 <= m["ppo/val/response_length"] < 32
     # seconds by phase: each one measured, together within the update's time

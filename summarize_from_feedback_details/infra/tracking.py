@@ -4,7 +4,8 @@
 - `EarlyWarnings`: the online stages' --warn signals (`WARNING_SIGNALS`; `first_warning` applies the
   same rule afterwards to a metric's history);
 - `progress` prints plain lines with an ETA where no terminal shows a bar;
-- `PhaseTimer`: seconds per phase of an update.
+- `PhaseTimer`: seconds per phase of an update;
+- `explained_variance`: how much of the returns a critic predicts (PPO's ppo/val/explained_variance).
 """
 
 import contextlib
@@ -261,3 +262,11 @@ class PhaseTimer:
         if generated_tokens is not None:
             metrics["throughput/generated_tokens_per_second"] = generated_tokens / self.seconds["generation"]
         return metrics
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the entries where `mask` is True: 1 for a critic
+    that predicts every return, 0 for one no better than the batch's mean return, below 0 for one worse
+    (CleanRL's diagnostic of the critic; issue 61 found the miniature's below 0 for every update)."""
+    returns, errors = returns[mask].double(), (returns - values)[mask].double()
+    return (1 - errors.var(unbiased=False) / returns.var(unbiased=False)).item()
