@@ -23,7 +23,7 @@ SEEDS=${SEEDS:-"1 2 3"}
 ARCH=${ARCH:-gpt_neox}
 # shellcheck source=sbatches/tiny_default.sh
 source sbatches/tiny_default.sh
-tiny_arch_folders "$ARCH" || exit 2
+tiny_arch_settings "$ARCH" || exit 2
 # the Pythia-style runs keep make scaling's names (its SFT, reward model and PPO are reused)
 RUNS=scaling$([[ $ARCH == gpt_neox ]] || echo "_$ARCH")
 OUT=eval/images/compare$([[ $ARCH == gpt_neox ]] || echo "_$ARCH")

@@ -39,10 +39,11 @@ cd "$(dirname "$0")"
 SEED=${SEED:-1}
 # The embedded default's architecture (tiny_models.py --arch): gpt_neox (Pythia, the paper's), llama
 # (Llama 3.2's layout and tokenizer conventions) or qwen3 (Qwen3's); each in its own folders
-# (tiny_arch_folders in sbatches/tiny_default.sh: where its models live and its pretraining budget).
+# (tiny_arch_settings in sbatches/tiny_default.sh: where its models live, its pretraining budget and
+# its reward model's learning rate).
 ARCH=${ARCH:-gpt_neox}
 source sbatches/tiny_default.sh
-tiny_arch_folders "$ARCH" || exit 2
+tiny_arch_settings "$ARCH" || exit 2
 MODEL=${MODEL:-$BASE_MODELS_DIR/$TINY_PREFIX-tiny-m}
 FORCE=0
 DATA_ONLY=0
@@ -392,13 +393,14 @@ if [[ $TINY == 1 ]]; then
     # Four epochs of the preference pairs at batch 32: with two, the reward model checks the problem and
     # not the relation, the feeling or the duration, even where the pairs swap them (docs/embedded_default.md,
     # "The reward model checks the facts"); with one, one reward model in three that make compare
-    # trained let PPO state wrong optional facts. Adam's epsilon
-    # is torch's 1e-8, not the paper's 1e-5: a tiny model's last-layer gradients are near 1e-5 (tiny-l's
-    # median sqrt(v) 1.3e-5 to 1.7e-5), so 1e-5 would halve the larger sizes' steps and undo the scaling
+    # trained let PPO state wrong optional facts. The learning rate is the architecture's TINY_RM_LR
+    # (the RMSNorm models' reward models barely learn at GPT-NeoX's 1e-3). Adam's epsilon is torch's
+    # 1e-8, not the paper's 1e-5: a tiny model's last-layer gradients are near 1e-5 (tiny-l's median
+    # sqrt(v) 1.3e-5 to 1.7e-5), so 1e-5 would halve the larger sizes' steps and undo the scaling
     # (docs/scaling.md, "What sets the reward model's accuracy"); Pythia runs keep the paper's 1e-5.
     RM_ARGS=(--base_model "$MODEL" --sft_model_path $OUT_DIR/sft_all_tokens --label_dataset $DATASET_DIR/preference
-             --query_dataset $DATASET_DIR/sft "${TINY_RM_FLAGS[@]}" --local_micro_batch_size "$TINY_RM_BATCH"
-             --gradient_accumulation_steps 1)
+             --query_dataset $DATASET_DIR/sft "${TINY_RM_FLAGS[@]}" --lr "$TINY_RM_LR"
+             --local_micro_batch_size "$TINY_RM_BATCH" --gradient_accumulation_steps 1)
     stage_reward() {
         run_stage "reward.py" $OUT_DIR/reward_model/model.safetensors \
             run_training reward reward.py "${RM_ARGS[@]}" --output_dir $OUT_DIR/reward_model

@@ -28,7 +28,7 @@ parse_sweep_args() {
 }
 
 # check_base_models: every size of `sizes` has its tiny base model (after ./hello_world.sh --data), in
-# BASE_MODELS_DIR/TINY_PREFIX-tiny-<size> (sbatches/tiny_default.sh's tiny_arch_folders; unset: Pythia's)
+# BASE_MODELS_DIR/TINY_PREFIX-tiny-<size> (sbatches/tiny_default.sh's tiny_arch_settings; unset: Pythia's)
 check_base_models() {
     local size model
     for size in ${sizes[@]+"${sizes[@]}"}; do
