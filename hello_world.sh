@@ -351,6 +351,10 @@ run_online_methods() {
 }
 
 if [[ $TINY == 1 ]]; then
+    if [[ -e $RAW_DIR && $FORCE == 0 ]]; then  # data of an earlier default is named, not silently kept
+        $PY -c 'import sys; from summarize_from_feedback_details import synthetic_tldr as s; s.check_recorded_args(sys.argv[1:])' \
+            --output_dir $RAW_DIR "${TINY_DATA_FLAGS[@]}" || exit 2
+    fi
     run_stage "synthetic TL;DR data" $RAW_DIR \
         $PY -m summarize_from_feedback_details.synthetic_tldr --output_dir $RAW_DIR "${TINY_DATA_FLAGS[@]}"
     # the size MODEL names; with --data every size (what scaling.sh and the sbatch chain read) or those

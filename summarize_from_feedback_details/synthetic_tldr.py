@@ -895,6 +895,23 @@ def generate(args: Args) -> dict:
     return stats
 
 
+def check_recorded_args(argv: list) -> None:
+    """Exit with a message naming each difference when the folder that `argv` (this module's command
+    line) names was generated with other arguments (its label_stats.json records them), so a script
+    that skips existing data does not silently keep data of an earlier default."""
+    args = tyro.cli(Args, args=argv)
+    with open(os.path.join(args.output_dir, "label_stats.json")) as f:
+        recorded = json.load(f)["args"]
+    # a field added since the folder was written: its default is what generated it
+    wanted = {k: v for k, v in json.loads(json.dumps(asdict(args))).items() if k != "output_dir"}
+    defaults = json.loads(json.dumps(asdict(Args())))
+    differ = [f"{k}: {recorded.get(k, defaults[k])!r} there, {v!r} now" for k, v in wanted.items()
+              if recorded.get(k, defaults[k]) != v]
+    if differ:
+        sys.exit(f"{args.output_dir} was generated with other arguments ({'; '.join(differ)}): --force regenerates "
+                 "it and retrains everything from it, or move it aside")
+
+
 def main(args: Args) -> None:
     stats = generate(args)
     for split in ("train", "validation", "validation_cnndm"):

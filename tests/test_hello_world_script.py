@@ -429,6 +429,12 @@ def test_data_only(checkout):
     assert [flag(c, "--sizes") for c in calls[3:6]] == ["s", "m", "l"]
     result, calls = run(checkout, 0, "--data")
     assert result.returncode == 0 and not [c for c in calls if "summarize_from_feedback_details.tiny_models" in c]
+    # the data kept was generated with the default's flags, or the run stops (synthetic_tldr.check_recorded_args)
+    (check,) = [c for c in calls if c[1] == "-c"]
+    assert "check_recorded_args(sys.argv[1:])" in check[2] and check[3:5] == ["--output_dir", "data/raw"]
+    assert flag(check, "--fact_swap_fraction") == "0.6" and flag(check, "--seed") == "1"
+    result, calls = run(checkout, 0, "--data", FAILING_STAGE="data/raw")
+    assert result.returncode == 2 and calls[-1][1] == "-c"
     result, _ = run(checkout, 8, "--data", MODEL="EleutherAI/pythia-1b-deduped")
     assert result.returncode == 2 and "leave MODEL unset" in result.stderr
 

@@ -447,3 +447,27 @@ def test_a_fact_swap_makes_that_fact_wrong_and_changes_nothing_else():
     wrong = " my landlord plays loud music."  # the post's relation is not a landlord
     post = "POST: my roommate (27M) plays loud music every night."
     assert st.swap_fact(random.Random(0), post, wrong, "relation") is None
+
+
+def test_data_of_other_arguments_is_named_not_kept(tmp_path):
+    """check_recorded_args (hello_world.sh's guard before it skips existing data): silent where the folder
+    was generated with the arguments asked for, an exit naming each difference where not; a field the
+    folder's record predates counts as its default (what generated it)."""
+    raw = str(tmp_path / "raw")
+    st.generate(dataclasses.replace(small_synthetic_args(raw), num_sft_train=20, num_comparison_train=20))
+    same = ["--output_dir", raw, "--num_sft_train", "20", "--num_comparison_train", "20", "--num_sft_validation",
+            "60", "--num_sft_test", "60", "--num_comparison_validation", "160", "--num_comparison_validation_cnndm",
+            "40", "--minimal_pair_fraction", "0.0"]
+    st.check_recorded_args(same)
+    with pytest.raises(SystemExit, match=rf"{raw} was generated with other arguments \(seed: 1 there, 2 now; "
+                                         r"fact_swap_fraction: 0.0 there, 0.6 now\): --force regenerates it"):
+        st.check_recorded_args(same + ["--seed", "2", "--fact_swap_fraction", "0.6"])
+    stats_path = os.path.join(raw, "label_stats.json")
+    with open(stats_path) as f:
+        stats = json.load(f)
+    del stats["args"]["fact_swap_fraction"]  # data written before the flag existed
+    with open(stats_path, "w") as f:
+        json.dump(stats, f)
+    st.check_recorded_args(same)
+    with pytest.raises(SystemExit, match="fact_swap_fraction: 0.0 there, 0.6 now"):
+        st.check_recorded_args(same + ["--fact_swap_fraction", "0.6"])
