@@ -398,7 +398,7 @@ if [[ $TINY == 1 ]]; then
     # not the relation, the feeling or the duration, even where the pairs swap them (docs/embedded_default.md,
     # "The reward model checks the facts"); with one, one reward model in three that make compare
     # trained let PPO state wrong optional facts. The learning rate is the architecture's TINY_RM_LR
-    # (the RMSNorm models' reward models learn less, and less reliably, at GPT-NeoX's 1e-3). Adam's
+    # (the Qwen3-style reward model learns less at 1e-3). Adam's
     # epsilon is torch's 1e-8, not the paper's 1e-5: a tiny model's last-layer gradients are near 1e-5
     # (tiny-l's median sqrt(v) 1.3e-5 to 1.7e-5), so 1e-5 would halve the larger sizes' steps and undo
     # the scaling (docs/scaling.md, "What sets the reward model's accuracy"); Pythia runs keep the
