@@ -543,10 +543,8 @@ def load_models(run, tokenizer) -> tuple:
 
 def update_metrics(accelerator, stats: torch.Tensor, kl, non_score_reward, scores, logprobs, padding_mask,
                    contain_eos, sequence_lengths, values, returns, padding_mask_p1, validation_metrics: dict) -> dict:
-    """The objective/ and ppo/ metrics of an update: the rollout's statistics over the real tokens of
-    the global batch (the tensors, gathered), the critic's explained variance over the positions it is
-    trained on, and the PPO epochs' from their per-(epoch, minibatch) sums `stats` (STAT_NAMES), reduced
-    over processes."""
+    """An update's objective/ and ppo/ metrics: the rollout's over the global batch's real tokens (gathered; the
+    critic's over those it is trained on), the PPO epochs' from their sums `stats` (STAT_NAMES) over processes."""
     stats = accelerator.reduce(stats, "sum")
     stat = dict(zip(STAT_NAMES, stats.unbind(-1)))
     totals = stats.sum((0, 1))
@@ -569,8 +567,7 @@ def update_metrics(accelerator, stats: torch.Tensor, kl, non_score_reward, score
         "ppo/val/clipfrac_avg": (stat["vf_clipfrac"] / stat["value_tokens"]).mean().item(),
         "ppo/policy/entropy_avg": (stat["entropy"] / stat["policy_tokens"]).mean().item(),
         "ppo/val/ratio": (stat["ratio"] / stat["policy_tokens"]).mean().item(),
-        # the rollout's values (before this update's epochs) against the returns they are trained on
-        "ppo/val/explained_variance": explained_variance(values, returns, ~padding_mask_p1),
+        "ppo/val/explained_variance": explained_variance(values, returns, ~padding_mask_p1),  # (the rollout's)
         # the ratio's variance over all epochs and minibatches, from r - 1 (E[r^2] - E[r]^2 cancels in float32)
         "ppo/val/ratio_var": (totals[6] / totals[7] - (totals[5] / totals[7] - 1) ** 2).item(),
         # the sanity check of the N+ paper: before any step the ratio is 1 and approxkl 0
