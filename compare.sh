@@ -25,8 +25,8 @@ ARCH=${ARCH:-gpt_neox}
 source sbatches/tiny_default.sh
 tiny_arch_settings "$ARCH" || exit 2
 # the Pythia-style runs keep make scaling's names (its SFT, reward model and PPO are reused)
-RUNS=scaling$([[ $ARCH == gpt_neox ]] || echo "_$ARCH")
-OUT=eval/images/compare$([[ $ARCH == gpt_neox ]] || echo "_$ARCH")
+RUNS=scaling$ARCH_SUFFIX
+OUT=eval/images/compare$ARCH_SUFFIX
 # shellcheck source=sweep_args.sh
 source ./sweep_args.sh
 parse_sweep_args "[ARCH=gpt_neox] [SIZES=\"m\"] [SEEDS=\"1 2 3\"]" "$@"

@@ -121,8 +121,8 @@ TINY_LENGTHS=(
 if [[ $MODEL == "$BASE_MODELS_DIR"/* ]]; then
     TINY=1
     NUM_PROCESSES=1               # one CPU process
-    NAME=${NAME:-hello_world$([[ $ARCH == gpt_neox ]] || echo "_$ARCH")}  # models/$NAME/<stage>, runs/${NAME}_<stage>
-    DATASET_DIR=data/tldr$([[ $ARCH == gpt_neox ]] || echo "_$ARCH")      # tokenized sft/ and preference/ datasets
+    NAME=${NAME:-hello_world$ARCH_SUFFIX}   # models/$NAME/<stage>, runs/${NAME}_<stage>
+    DATASET_DIR=data/tldr$ARCH_SUFFIX       # tokenized sft/ and preference/ datasets
 else
     TINY=0
     NUM_PROCESSES=$NUM_GPUS

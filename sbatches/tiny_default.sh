@@ -32,7 +32,8 @@ TINY_DPO_FLAGS=(--lr 1e-4 --response_length 32 --local_eval_batch_size 100)
 
 # tiny_arch_settings ARCH: the embedded default's settings that differ by architecture (tiny_models.py
 # --arch): TINY_PREFIX (its base models are $BASE_MODELS_DIR/$TINY_PREFIX-tiny-<size>), BASE_MODELS_DIR,
-# BASE_BUDGET and TINY_RM_LR.
+# ARCH_SUFFIX (empty for GPT-NeoX, the paper's, else _<arch>: what its runs', models' and datasets' names
+# end in), BASE_BUDGET and TINY_RM_LR.
 # BASE_BUDGET, the base model's pretraining in tokens per parameter: at GPT-NeoX's 3, the policy's SFT
 # on a Llama-style tiny-m named the post's relation right in 0.09 / 0.97 / 0.16 / 0.10 of its summaries
 # over base seeds 1-4 (GPT-NeoX: 1.00), a Qwen3-style one in 0.33 / 1.00 / 1.00 / 0.56; at 6, Llama
@@ -46,9 +47,9 @@ TINY_DPO_FLAGS=(--lr 1e-4 --response_length 32 --local_eval_batch_size 100)
 # An unknown ARCH: a message on stderr and status 2.
 tiny_arch_settings() {
     case $1 in
-        gpt_neox) TINY_PREFIX=pythia BASE_MODELS_DIR=models/tiny BASE_BUDGET=3 TINY_RM_LR=1e-3 ;;
-        llama) TINY_PREFIX=llama BASE_MODELS_DIR=models/tiny_llama BASE_BUDGET=12 TINY_RM_LR=1e-3 ;;
-        qwen3) TINY_PREFIX=qwen3 BASE_MODELS_DIR=models/tiny_qwen3 BASE_BUDGET=6 TINY_RM_LR=3e-4 ;;
+        gpt_neox) TINY_PREFIX=pythia BASE_MODELS_DIR=models/tiny ARCH_SUFFIX= BASE_BUDGET=3 TINY_RM_LR=1e-3 ;;
+        llama) TINY_PREFIX=llama BASE_MODELS_DIR=models/tiny_llama ARCH_SUFFIX=_llama BASE_BUDGET=12 TINY_RM_LR=1e-3 ;;
+        qwen3) TINY_PREFIX=qwen3 BASE_MODELS_DIR=models/tiny_qwen3 ARCH_SUFFIX=_qwen3 BASE_BUDGET=6 TINY_RM_LR=3e-4 ;;
         *) echo "ARCH: '$1' is none of: gpt_neox llama qwen3" >&2; return 2 ;;
     esac
 }
