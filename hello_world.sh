@@ -39,7 +39,8 @@ cd "$(dirname "$0")"
 SEED=${SEED:-1}
 # The embedded default's architecture (tiny_models.py --arch): gpt_neox (Pythia, the paper's), llama
 # (Llama 3.2's layout and tokenizer conventions) or qwen3 (Qwen3's); each in its own folders
-# (tiny_arch_settings in sbatches/tiny_default.sh: where its models live and its pretraining budget).
+# (tiny_arch_settings in sbatches/tiny_default.sh: where its models live, its pretraining budget and
+# its reward model's learning rate).
 ARCH=${ARCH:-gpt_neox}
 source sbatches/tiny_default.sh
 tiny_arch_settings "$ARCH" || exit 2
@@ -393,15 +394,16 @@ if [[ $TINY == 1 ]]; then
         run_stage "sft.py (summary tokens: the policy)" $OUT_DIR/sft/model.safetensors \
             run_training sft sft.py "${TINY_SFT[@]}" --response_only_loss --output_dir $OUT_DIR/sft
     }
-    # Eight epochs of the preference pairs at batch 32 and learning rate 3e-4: with fewer, whether the
-    # reward model checks the relation, the feeling or the duration, even where the pairs swap them, is
-    # a draw of its seed (docs/embedded_default.md, "The reward model checks the facts";
-    # docs/real_pipeline.md for the Llama- and Qwen3-style ones). Adam's epsilon is torch's 1e-8, not the
+    # Four epochs of the preference pairs at batch 32: with two, the reward model checks the problem and
+    # not the relation, the feeling or the duration, even where the pairs swap them (docs/embedded_default.md,
+    # "The reward model checks the facts"); with one, one reward model in three that make compare
+    # trained let PPO state wrong optional facts. The learning rate is the architecture's TINY_RM_LR
+    # (the Qwen3-style reward model learns less at 1e-3). Adam's epsilon is torch's 1e-8, not the
     # paper's 1e-5: a tiny model's last-layer gradients are near 1e-5 (tiny-l's median sqrt(v) 1.3e-5
     # to 1.7e-5), so 1e-5 would halve the larger sizes' steps and undo the scaling (docs/scaling.md,
     # "What sets the reward model's accuracy"); Pythia runs keep the paper's 1e-5.
     RM_ARGS=(--base_model "$MODEL" --sft_model_path $OUT_DIR/sft_all_tokens --label_dataset $DATASET_DIR/preference
-             --query_dataset $DATASET_DIR/sft "${TINY_RM_FLAGS[@]}"
+             --query_dataset $DATASET_DIR/sft "${TINY_RM_FLAGS[@]}" --lr "$TINY_RM_LR"
              --local_micro_batch_size "$TINY_RM_BATCH" --gradient_accumulation_steps 1)
     stage_reward() {
         run_stage "reward.py" $OUT_DIR/reward_model/model.safetensors \
