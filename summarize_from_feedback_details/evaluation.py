@@ -33,6 +33,12 @@ TABLE_COLUMNS = ["query", "postprocessed_response", "reference_responses", "scor
 EVAL_STREAM = 3
 
 
+def cycling_slice(order: list, start: int, size: int) -> list:
+    """`size` entries of `order` from `start`, wrapping around: the per-update validation queries
+    walk through the whole split instead of repeating its first batch."""
+    return [order[(start + i) % len(order)] for i in range(size)]
+
+
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """Index of the first True of each row, or the row length when there is none."""
     row_len = bools.size(-1)

@@ -69,7 +69,7 @@ import tyro
 from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.evaluation import final_evaluation, validate
+from summarize_from_feedback_details.evaluation import cycling_slice, final_evaluation, validate
 from summarize_from_feedback_details.infra.checkpoints import Resumable
 from summarize_from_feedback_details.infra.flags import RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import make_optimizer, start_run
@@ -369,12 +369,6 @@ def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_c
 def implicit_rewards(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, beta: float) -> torch.Tensor:
     """DPO's implicit reward of a response, beta * (log pi - log ref): what the policy learned to prefer."""
     return beta * (policy_logprobs - ref_logprobs)
-
-
-def cycling_slice(order: list, start: int, size: int) -> list:
-    """`size` entries of `order` from `start`, wrapping around: the per-update validation queries
-    walk through the whole split instead of repeating its first batch."""
-    return [order[(start + i) % len(order)] for i in range(size)]
 
 
 def load_online_dpo_models(run, tokenizer) -> tuple:

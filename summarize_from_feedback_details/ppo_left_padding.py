@@ -56,7 +56,7 @@ import tyro
 from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.evaluation import final_evaluation, validate
+from summarize_from_feedback_details.evaluation import cycling_slice, final_evaluation, validate
 from summarize_from_feedback_details.infra.checkpoints import Resumable
 from summarize_from_feedback_details.infra.flags import RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import gather_global, make_optimizer, start_run
@@ -78,6 +78,10 @@ class PpoHParams:
     """clip range of the policy ratio in the surrogate loss"""
     cliprange_value: float = 0.2
     """clip range of the new values around the rollout's values in the value loss"""
+    vf_lr: Optional[float] = None
+    """the critic's learning rate, annealed as the policy's (None: --lr, the paper's one rate for both)"""
+    critic_warmup_updates: int = 0
+    """first updates that train the critic alone, on rollouts of the unchanged policy (0: the paper)"""
     gamma: float = 1.0
     """discount factor of the returns and GAE (1: none)"""
     lam: float = 0.95
@@ -476,10 +480,15 @@ class AdaptiveKLController:
         self.value = state["value"]
 
 
-def cycling_slice(order: list, start: int, size: int) -> list:
-    """`size` entries of `order` from `start`, wrapping around: the per-update validation queries
-    walk through the whole split instead of repeating its first batch."""
-    return [order[(start + i) % len(order)] for i in range(size)]
+def learning_rates(update: int, num_updates: int, lr: float, ppo: PpoHParams) -> tuple:
+    """This update's (policy, critic) learning rates, each annealed linearly from its initial value at
+    the first update to 1 / num_updates of it at the last, as the paper; the critic's starts at
+    --ppo.vf_lr if set. In the first --ppo.critic_warmup_updates the policy's is 0 (and its loss is
+    left out, so only the critic moves; Adam's step count runs on for the policy, so its first steps
+    after the warm-up are larger than a fresh Adam's, as after any pause)."""
+    anneal = 1.0 - (update - 1.0) / num_updates
+    policy_lr = 0.0 if update <= ppo.critic_warmup_updates else anneal * lr
+    return policy_lr, anneal * (lr if ppo.vf_lr is None else ppo.vf_lr)
 
 
 def minibatch_rows(seed: int, update: int, epoch: int, batch_size: int, nminibatches: int, rank: int,
@@ -604,7 +613,7 @@ def main(args: Args) -> None:
     tokenizer = load_tokenizer(args.base_model, args.query_dataset)
     pad_id, eos_id, vocab_end = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
     model, ref_policy, reward_model = load_models(run, tokenizer)
-    optimizer = make_optimizer(args, model)
+    optimizer = make_optimizer(args, model, groups=(model.policy, model.critic))  # (learning_rates sets each)
 
     # One explicit query order for every rank and world size; accelerate hands rank r the local
     # batches r, r + world_size, ..., so global batch k is always order[k * batch_size : (k + 1) *
@@ -643,10 +652,9 @@ def main(args: Args) -> None:
                                ("objective/scores", "objective/kl")):
         data = next(iter_loader)
         timer = PhaseTimer(device)  # time/ and throughput/ metrics: seconds of this update by phase (rank 0's)
-        # linear annealing from lr (first update) to lr / num_updates (last update), as the paper
-        lr_now = (1.0 - (update - 1.0) / args.num_updates) * args.lr
-        for group in optimizer.param_groups:
-            group["lr"] = lr_now
+        policy_lr, critic_lr = learning_rates(update, args.num_updates, args.lr, args.ppo)
+        for group, group_lr in zip(optimizer.param_groups, (policy_lr, critic_lr)):
+            group["lr"] = group_lr
 
         model.eval()
         # this update's held-out validation queries (rank r takes its r-th slice: new ones each update)
@@ -755,7 +763,7 @@ def main(args: Args) -> None:
                             # this micro-batch's share of the minibatch objective
                             pg_loss = (pg_losses * policy_mask).sum() / policy_tokens
                             vf_loss = (vf_losses * value_mask).sum() / value_tokens
-                            loss = pg_loss + args.ppo.vf_coef * vf_loss
+                            loss = pg_loss * (policy_lr > 0) + args.ppo.vf_coef * vf_loss  # (critic warm-up: 0)
                             # accelerate divides by the accumulation steps and DDP averages over ranks:
                             # undo both so the gradient is exactly that of the minibatch objective
                             accelerator.backward(loss * ga * num_processes)
@@ -775,7 +783,7 @@ def main(args: Args) -> None:
             metrics = {
                 **update_metrics(accelerator, stats, kl, non_score_reward, scores, logprobs, padding_mask, contain_eos,
                                  sequence_lengths, values, returns, padding_mask_p1, validation_metrics),
-                "ppo/lr": lr_now,
+                "ppo/lr": policy_lr, "ppo/vf_lr": critic_lr,
                 "ppo/episode": update * args.batch_size,
                 "ppo/eps": (update - start_update) * args.batch_size / (time.time() - start),
                 # the global batch's query + response positions, and the tokens generated (the validation

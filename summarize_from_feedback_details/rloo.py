@@ -69,7 +69,7 @@ import tyro
 from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.evaluation import final_evaluation, validate
+from summarize_from_feedback_details.evaluation import cycling_slice, final_evaluation, validate
 from summarize_from_feedback_details.infra.checkpoints import Resumable
 from summarize_from_feedback_details.infra.flags import RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import gather_global, make_optimizer, start_run
@@ -392,12 +392,6 @@ def penalize_missing_eos(scores: torch.Tensor, postprocessed_responses: torch.Te
     """The EOS trick: a response that never ends gets `penalty` instead of its reward-model score."""
     contain_eos = (postprocessed_responses == eos_id).any(-1)
     return torch.where(contain_eos, scores, torch.full_like(scores, penalty))
-
-
-def cycling_slice(order: list, start: int, size: int) -> list:
-    """`size` entries of `order` from `start`, wrapping around: the per-update validation queries
-    walk through the whole split instead of repeating its first batch."""
-    return [order[(start + i) % len(order)] for i in range(size)]
 
 
 def minibatch_rows(seed: int, update: int, epoch: int, batch_size: int, nminibatches: int, rank: int,

@@ -26,6 +26,7 @@ from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import evaluation, packing, reward, rollout, sft
 from summarize_from_feedback_details.infra import loading, lora, tracking
 from summarize_from_feedback_details.infra.checkpoints import CHECKPOINT_EXIT_CODE
+from summarize_from_feedback_details.infra.launch import make_optimizer
 
 PAD, EOS = 1, 0  # the tiny tokenizer's ids (Pythia: [PAD] 50277, EOS 0)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -327,11 +328,11 @@ def test_derive_batch_sizes():
 
 def test_validation_queries_walk_the_split_and_seeds():
     order = [4, 2, 0, 3, 1]
-    assert [ppo.cycling_slice(order, start, 2) for start in (0, 2, 4)] == [[4, 2], [0, 3], [1, 4]]
+    assert [evaluation.cycling_slice(order, start, 2) for start in (0, 2, 4)] == [[4, 2], [0, 3], [1, 4]]
     # one process with 4 queries = two processes with 2 each, update after update
     for update in range(3):
-        one = ppo.cycling_slice(order, update * 4, 4)
-        two = ppo.cycling_slice(order, update * 4, 2) + ppo.cycling_slice(order, update * 4 + 2, 2)
+        one = evaluation.cycling_slice(order, update * 4, 4)
+        two = evaluation.cycling_slice(order, update * 4, 2) + evaluation.cycling_slice(order, update * 4 + 2, 2)
         assert one == two
     assert rollout.derived_seed(1, 0, 2, 3) == rollout.derived_seed(1, 0, 2, 3) != rollout.derived_seed(1, 0, 3, 2)
 
@@ -734,7 +735,7 @@ METRIC_NAMES = {
     "ppo/loss/policy_avg", "ppo/loss/value_avg", "ppo/val/clipfrac_avg", "ppo/policy/entropy_avg", "ppo/val/ratio",
     "ppo/val/ratio_var", "ppo/val/ratio_first_minibatch", "ppo/policy/approxkl_first_minibatch",
     "ppo/policy/clipfrac_first_minibatch", "ppo/val/num_eos_tokens", "ppo/val/response_length", "ppo/lr",
-    "ppo/episode", "ppo/eps", "ppo/val/explained_variance",
+    "ppo/vf_lr", "ppo/episode", "ppo/eps", "ppo/val/explained_variance",
 }
 PHASES = ("validation", "generation", "reference_forward", "value_forward", "reward_forward", "advantages",
           "ppo_epochs")
@@ -770,6 +771,49 @@ def test_phase_times_charge_each_phase_with_its_own_work(tiny_datasets, checkpoi
         assert (m["time/generation"], m["time/reward_forward"], m["time/validation"]) == (0.5, 0.25, 0.25)
         assert m["time/reference_forward"] == m["time/value_forward"] == m["time/advantages"] == m["time/ppo_epochs"] == 0
         assert m["time/update"] == 1.0
+
+
+def test_learning_rates_known_answers():
+    """Both annealed from their initial rate (the critic's --ppo.vf_lr if set) to 1 / num_updates of it;
+    the policy's 0 during the critic's warm-up."""
+    paper = ppo.PpoHParams()
+    assert ppo.learning_rates(1, 4, 1e-3, paper) == (1e-3, 1e-3)
+    assert ppo.learning_rates(4, 4, 1e-3, paper) == pytest.approx((0.25e-3, 0.25e-3))
+    own_rate = ppo.PpoHParams(vf_lr=1e-2, critic_warmup_updates=2)
+    assert ppo.learning_rates(1, 4, 1e-3, own_rate) == (0.0, 1e-2)
+    assert ppo.learning_rates(2, 4, 1e-3, own_rate) == (0.0, pytest.approx(0.75e-2))
+    assert ppo.learning_rates(3, 4, 1e-3, own_rate) == pytest.approx((0.5e-3, 0.5e-2))
+
+
+def test_parameter_groups_at_one_rate_update_as_one_group():
+    """PPO's optimizer holds the policy and the critic as two groups: at the paper's one rate it takes
+    the step of one group over both, bit for bit."""
+    def stepped(groups):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"policy": torch.nn.Linear(3, 2), "critic": torch.nn.Linear(2, 1)})
+        optimizer = make_optimizer(ppo.Args(lr=1e-2), model, groups(model))
+        for _ in range(3):
+            model.critic(model.policy(torch.randn(4, 3))).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    grouped, single = stepped(lambda m: (m.policy, m.critic)), stepped(lambda m: ())
+    assert all(torch.equal(a, b) for a, b in zip(grouped, single))
+
+
+def test_critic_warmup_leaves_the_policy_unchanged(tiny_datasets, checkpoints, tmp_path, one_thread):
+    """An update of the critic's warm-up: the policy's rate is 0 and its loss left out, so the saved
+    policy is the SFT model bit for bit; the critic learns at --ppo.vf_lr."""
+    workdir = str(tmp_path)
+    args = tiny_args(tiny_datasets, checkpoints, workdir, "warmup", total_episodes=16, local_micro_batch_size=8,
+                     gradient_accumulation_steps=2, local_rollout_forward_batch_size=16, local_eval_batch_size=4,
+                     response_length=16, ppo_critic_warmup_updates=1, ppo_vf_lr=1e-4)
+    (m,) = run_ppo(args, workdir)
+    assert m["ppo/lr"] == 0 and m["ppo/vf_lr"] == 1e-4 and m["ppo/loss/value_avg"] > 0
+    saved = load_file(os.path.join(workdir, "warmup", "model.safetensors"))
+    sft = load_file(os.path.join(checkpoints[0], "model.safetensors"))
+    assert all(torch.equal(saved[k], sft[k]) for k in sft)
 
 
 def test_smoke_one_update_of_the_tiny_default(tiny_datasets, checkpoints, tmp_path, one_thread, monkeypatch):

@@ -58,15 +58,17 @@ def quiet_libraries() -> None:
     transformers_logging.disable_progress_bar()
 
 
-def make_optimizer(args, model) -> torch.optim.Optimizer:
+def make_optimizer(args, model, groups: tuple = ()) -> torch.optim.Optimizer:
     """`--optimizer` over the trainable parameters with --lr, --eps and --weight_decay (adamw:
-    decoupled weight decay; adam: torch's Adam, which adds the decay to the gradient). Under
-    --compile_train torch's fused kernel (one kernel per step where the default loops over tensors on
-    a CPU; the same update to float noise, tests/test_packing.py)."""
+    decoupled weight decay; adam: torch's Adam, which adds the decay to the gradient). `groups`:
+    submodules of `model` that each get their own parameter group, in this order, so that a stage can
+    set their learning rates apart (Adam's update is elementwise: groups at one rate update as one).
+    Under --compile_train torch's fused kernel (one kernel per step where the default loops over
+    tensors on a CPU; the same update to float noise, tests/test_packing.py)."""
     optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
     fused = {"fused": True} if getattr(args, "compile_train", False) else {}
-    return optimizer_class([p for p in model.parameters() if p.requires_grad], lr=args.lr, eps=args.eps,
-                           weight_decay=args.weight_decay, **fused)
+    param_groups = [{"params": [p for p in part.parameters() if p.requires_grad]} for part in groups or (model,)]
+    return optimizer_class(param_groups, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay, **fused)
 
 
 def clipping_norm(max_grad_norm: Optional[float]) -> Optional[float]:
