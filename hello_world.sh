@@ -397,13 +397,14 @@ if [[ $TINY == 1 ]]; then
     # Four epochs of the preference pairs at batch 32: with two, the reward model checks the problem and
     # not the relation, the feeling or the duration, even where the pairs swap them (docs/embedded_default.md,
     # "The reward model checks the facts"); with one, one reward model in three that make compare
-    # trained let PPO state wrong optional facts. The learning rate is the architecture's TINY_RM_LR
-    # (the Qwen3-style reward model learns less at 1e-3). Adam's epsilon is torch's 1e-8, not the
+    # trained let PPO state wrong optional facts. The epochs and the learning rate are the
+    # architecture's TINY_RM_EPOCHS and TINY_RM_LR (the Llama-style reward model: eight at 3e-4; the
+    # Qwen3-style: four at 3e-4; sbatches/tiny_default.sh says why). Adam's epsilon is torch's 1e-8, not the
     # paper's 1e-5: a tiny model's last-layer gradients are near 1e-5 (tiny-l's median sqrt(v) 1.3e-5
     # to 1.7e-5), so 1e-5 would halve the larger sizes' steps and undo the scaling (docs/scaling.md,
     # "What sets the reward model's accuracy"); Pythia runs keep the paper's 1e-5.
     RM_ARGS=(--base_model "$MODEL" --sft_model_path $OUT_DIR/sft_all_tokens --label_dataset $DATASET_DIR/preference
-             --query_dataset $DATASET_DIR/sft "${TINY_RM_FLAGS[@]}" --lr "$TINY_RM_LR"
+             --query_dataset $DATASET_DIR/sft "${TINY_RM_FLAGS[@]}" --lr "$TINY_RM_LR" --num_train_epochs "$TINY_RM_EPOCHS"
              --local_micro_batch_size "$TINY_RM_BATCH" --gradient_accumulation_steps 1)
     stage_reward() {
         run_stage "reward.py" $OUT_DIR/reward_model/model.safetensors \

@@ -456,7 +456,8 @@ def test_arch_builds_the_embedded_default_in_its_own_folders(checkout, arch):
     assert len(sft_calls) == 2 and all(flag(c, "--base_model") == f"models/tiny_{arch}/{arch}-tiny-m" for c in sft_calls)
     assert all(flag(c, "--query_dataset") == f"data/tldr_{arch}/sft" for c in sft_calls)
     (rm,) = stage_calls(calls, "reward.py")
-    assert flag(rm, "--lr") == {"llama": "1e-3", "qwen3": "3e-4"}[arch]  # docs/real_pipeline.md: measured per arch
+    # docs/real_pipeline.md: measured per arch
+    assert (flag(rm, "--lr"), flag(rm, "--num_train_epochs")) == {"llama": ("3e-4", "8"), "qwen3": ("3e-4", "4")}[arch]
     (ppo,) = stage_calls(calls, "ppo_left_padding.py")
     assert flag(ppo, "--output_dir") == f"models/hello_world_{arch}/ppo"
     assert flag(ppo, "--reward_model_path") == f"models/hello_world_{arch}/reward_model"
@@ -464,7 +465,7 @@ def test_arch_builds_the_embedded_default_in_its_own_folders(checkout, arch):
     (build,) = [c for c in calls if "summarize_from_feedback_details.tiny_models" in c]
     assert flag(build, "--arch") == "gpt_neox" and flag(build, "--output_dir") == "models/tiny"
     assert flag(build, "--pretrain_tokens_per_parameter") == "3"  # tiny_models' default: its recipe unchanged
-    assert flag(stage_calls(calls, "reward.py")[0], "--lr") == "1e-3"
+    assert (flag(stage_calls(calls, "reward.py")[0], "--lr"), flag(stage_calls(calls, "reward.py")[0], "--num_train_epochs")) == ("1e-3", "4")
     result, calls = run(checkout, 0, ARCH="mamba")
     assert result.returncode == 2 and "ARCH: 'mamba' is none of: gpt_neox llama qwen3" in result.stderr and not calls
 
