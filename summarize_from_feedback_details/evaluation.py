@@ -2,6 +2,7 @@
 RLOO, GRPO and online DPO, as they already share one rollout engine. What a method learns stays in
 its stage file; how its policy is measured lives here.
 
+- `ValidationQueries`: which held-out validation queries each update scores, on each process.
 - `validate`: each update, the policy's responses to that update's held-out validation queries
   (sampled by the stage in the same batched decode as its rollouts) scored by the reward model, and on
   synthetic data by the gold judge: the over-optimisation curve's two axes (DESIGN section 20).
@@ -37,6 +38,23 @@ def cycling_slice(order: list, start: int, size: int) -> list:
     """`size` entries of `order` from `start`, wrapping around: the per-update validation queries
     walk through the whole split instead of repeating its first batch."""
     return [order[(start + i) % len(order)] for i in range(size)]
+
+
+class ValidationQueries:
+    """The online stages' per-update validation queries: global eval batch u is the u-th slice of one
+    permutation of `split` seeded by --seed (wrapping), rank r taking its r-th part of
+    --local_eval_batch_size, so every update scores new queries and any process count the same ones."""
+
+    def __init__(self, split, columns, args, accelerator):
+        self.split = split.with_format("torch", columns=list(columns))
+        self.order = torch.randperm(len(split), generator=torch.Generator().manual_seed(args.seed)).tolist()
+        self.size = args.local_eval_batch_size
+        self.offset, self.stride = accelerator.process_index * self.size, accelerator.num_processes * self.size
+
+    def batch(self, update: int, device) -> dict:
+        """This process's queries of `update` (1-based), on `device`."""
+        rows = cycling_slice(self.order, (update - 1) * self.stride + self.offset, self.size)
+        return {k: v.to(device) for k, v in self.split[rows].items()}
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:

@@ -56,7 +56,7 @@ import tyro
 from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.evaluation import cycling_slice, final_evaluation, validate
+from summarize_from_feedback_details.evaluation import ValidationQueries, final_evaluation, validate
 from summarize_from_feedback_details.infra.checkpoints import Resumable
 from summarize_from_feedback_details.infra.flags import RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import gather_global, make_optimizer, start_run
@@ -481,11 +481,9 @@ class AdaptiveKLController:
 
 
 def learning_rates(update: int, num_updates: int, lr: float, ppo: PpoHParams) -> tuple:
-    """This update's (policy, critic) learning rates, each annealed linearly from its initial value at
-    the first update to 1 / num_updates of it at the last, as the paper; the critic's starts at
-    --ppo.vf_lr if set. In the first --ppo.critic_warmup_updates the policy's is 0 (and its loss is
-    left out, so only the critic moves; Adam's step count runs on for the policy, so its first steps
-    after the warm-up are larger than a fresh Adam's, as after any pause)."""
+    """This update's (policy, critic) learning rates, each annealed linearly to 1 / num_updates of its start
+    (the critic's: --ppo.vf_lr if set) as the paper. The policy's is 0 in the critic's warm-up, its loss left
+    out (Adam's step count runs on, so its first steps after the warm-up are larger than a fresh Adam's)."""
     anneal = 1.0 - (update - 1.0) / num_updates
     policy_lr = 0.0 if update <= ppo.critic_warmup_updates else anneal * lr
     return policy_lr, anneal * (lr if ppo.vf_lr is None else ppo.vf_lr)
@@ -631,10 +629,7 @@ def main(args: Args) -> None:
     unwrapped = accelerator.unwrap_model(model)
     compiled_step = compiled_step_for(unwrapped.policy, args.compile_decode, accelerator.device, accelerator.native_amp,
                                       run.print, keep_caches=not args.free_decode_cache)
-    # per-update validation: global eval batch u is validation_order[u * G : (u + 1) * G] (wrapping),
-    # rank r taking its r-th slice of local_eval_batch_size, so every update scores new queries
-    validation = dataset["validation"].with_format("torch", columns=list(QUERY_COLUMNS))
-    validation_order = torch.randperm(len(validation), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    validation = ValidationQueries(dataset["validation"], QUERY_COLUMNS, args, accelerator)
     kl_ctl = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target, args.ppo.horizon)
     checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [kl_ctl])
     run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}")
@@ -657,10 +652,7 @@ def main(args: Args) -> None:
             group["lr"] = group_lr
 
         model.eval()
-        # this update's held-out validation queries (rank r takes its r-th slice: new ones each update)
-        rows = cycling_slice(validation_order, (update - 1) * args.local_eval_batch_size * num_processes
-                             + rank * args.local_eval_batch_size, args.local_eval_batch_size)
-        validation_batch = {k: v.to(device) for k, v in validation[rows].items()}
+        validation_batch = validation.batch(update, device)  # (new held-out queries every update)
         queries = data["query_token"]
 
         # ---- generation: the validation and rollout chunks in batched decodes ------------------

@@ -69,7 +69,7 @@ import tyro
 from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.evaluation import cycling_slice, final_evaluation, validate
+from summarize_from_feedback_details.evaluation import ValidationQueries, final_evaluation, validate
 from summarize_from_feedback_details.infra.checkpoints import Resumable
 from summarize_from_feedback_details.infra.flags import RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import gather_global, make_optimizer, start_run
@@ -608,9 +608,7 @@ def main(args: Args) -> None:
     unwrapped = accelerator.unwrap_model(model)
     compiled_step = compiled_step_for(unwrapped, args.compile_decode, accelerator.device, accelerator.native_amp,
                                       run.print, keep_caches=not args.free_decode_cache)
-    # per-update validation: new held-out queries every update (PPO's scheme)
-    validation = dataset["validation"].with_format("torch", columns=list(QUERY_COLUMNS))
-    validation_order = torch.randperm(len(validation), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    validation = ValidationQueries(dataset["validation"], QUERY_COLUMNS, args, accelerator)
     checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [])
     run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}")
     device = accelerator.device
@@ -631,9 +629,7 @@ def main(args: Args) -> None:
             group["lr"] = lr_now
 
         model.eval()
-        rows = cycling_slice(validation_order, (update - 1) * args.local_eval_batch_size * num_processes
-                             + rank * args.local_eval_batch_size, args.local_eval_batch_size)
-        validation_batch = {key: v.to(device) for key, v in validation[rows].items()}
+        validation_batch = validation.batch(update, device)  # (new held-out queries every update)
         queries = data["query_token"]
 
         # ---- generation: each query chunk k times, sample j from a seed of (update, chunk's global row, j)

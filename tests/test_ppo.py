@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pandas as pd
 import pytest
 import torch
-from datasets import load_from_disk
+from datasets import Dataset, load_from_disk
 from safetensors.torch import load_file
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
                           GPT2ForSequenceClassification, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
@@ -329,11 +329,19 @@ def test_derive_batch_sizes():
 def test_validation_queries_walk_the_split_and_seeds():
     order = [4, 2, 0, 3, 1]
     assert [evaluation.cycling_slice(order, start, 2) for start in (0, 2, 4)] == [[4, 2], [0, 3], [1, 4]]
-    # one process with 4 queries = two processes with 2 each, update after update
-    for update in range(3):
-        one = evaluation.cycling_slice(order, update * 4, 4)
-        two = evaluation.cycling_slice(order, update * 4, 2) + evaluation.cycling_slice(order, update * 4 + 2, 2)
-        assert one == two
+    # the stages' per-update queries: one process with 4 = two processes with 2 each, update after update,
+    # walking through a permutation of the split seeded by --seed
+    split = Dataset.from_dict({"query_token": [[i] for i in range(5)], "other": list(range(5))})
+    args = types.SimpleNamespace(seed=3, local_eval_batch_size=4)
+    one = evaluation.ValidationQueries(split, ["query_token"], args, fake_accelerator())
+    two = [evaluation.ValidationQueries(split, ["query_token"], types.SimpleNamespace(seed=3, local_eval_batch_size=2),
+                                        fake_accelerator(2, rank)) for rank in (0, 1)]
+    permutation = torch.randperm(5, generator=torch.Generator().manual_seed(3)).tolist()
+    for update in (1, 2, 3):
+        batch = one.batch(update, "cpu")
+        assert batch.keys() == {"query_token"}
+        assert batch["query_token"][:, 0].tolist() == evaluation.cycling_slice(permutation, (update - 1) * 4, 4)
+        assert torch.equal(batch["query_token"], torch.cat([part.batch(update, "cpu")["query_token"] for part in two]))
     assert rollout.derived_seed(1, 0, 2, 3) == rollout.derived_seed(1, 0, 2, 3) != rollout.derived_seed(1, 0, 3, 2)
 
 
