@@ -65,7 +65,8 @@ from summarize_from_feedback_details.infra.loading import (describe_frozen, enab
                                                            load_tokenizer, prepare_frozen)
 from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
 from summarize_from_feedback_details.infra.tracking import PhaseTimer, explained_variance
-from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches, derived_seed
+from summarize_from_feedback_details.rollout import (SamplingGroup, StalePolicy, compiled_step_for, decode_update,
+                                                     derived_seed, staleness_metrics)
 
 
 @dataclass
@@ -138,6 +139,9 @@ class MethodArgs:
     """rollout sampling temperature; the policy's and reference's logits are divided by it too"""
     eval_temperature: float = 0.01
     """sampling temperature of the validation score and the final eval (the paper's 0.01)"""
+    async_steps: int = 0
+    """asynchronous RLHF: the rollouts of update t are sampled by the policy of update t - N (the first N updates:
+    the SFT policy), their log-probs recomputed by the learner's policy for the ratio and the KL (docs/async.md)"""
 
     # optimizer
     lr: float = 3e-6
@@ -330,6 +334,15 @@ def response_logits(model, query_responses: torch.Tensor, pad_id: int, response_
     not computed (packed, or with --no_packing the columns every row pads)."""
     query_responses = packing.without_shared_padding(query_responses, pad_id)
     return forward(model, query_responses, pad_id, logits_to_keep=response_length + 1)[:, :-1]
+
+
+def learner_logprobs(policy, query_response: torch.Tensor, response: torch.Tensor, temperature: float, pad_id: int,
+                     vocab_end: int) -> torch.Tensor:
+    """A stale rollout's log-probs under the learner's policy: the ratio and the KL penalty read them (as the
+    asynchronous RLHF paper's code does, mnoukhov/async_rlhf src/ppo_single_vllm_trainer.py: generate, then a
+    forward of the learner), so PPO's first ratio is 1 and the clip bounds the step from the learner's policy."""
+    logits = response_logits(policy, query_response, pad_id, response.shape[1])
+    return gather_logprobs(scaled_logits(logits, temperature, pad_id, vocab_end), response)
 
 
 def response_values(critic, query_responses: torch.Tensor, pad_id: int, response_length: int) -> torch.Tensor:
@@ -631,7 +644,8 @@ def main(args: Args) -> None:
                                       run.print, keep_caches=not args.free_decode_cache)
     validation = ValidationQueries(dataset["validation"], QUERY_COLUMNS, args, accelerator)
     kl_ctl = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target, args.ppo.horizon)
-    checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [kl_ctl])
+    stale = StalePolicy(unwrapped.policy, args.async_steps)  # (--async_steps: the weights that sample)
+    checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [kl_ctl, stale])
     run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}")
     # whitening statistics over the global batch (sums reduced over processes) unless per rank
     reduce = None if args.ppo.whiten_per_rank else (lambda t: accelerator.reduce(t, "sum"))
@@ -665,10 +679,11 @@ def main(args: Args) -> None:
             SamplingGroup(queries[i: i + fwd_batch], temperature,
                           derived_seed(args.seed, 0, update, rank * args.local_batch_size + i))
             for i in range(0, args.local_batch_size, fwd_batch)]
+        stale.start_update()
         with timer("generation"), accelerator.autocast():
-            generated = decode_in_batches(unwrapped.policy, validation_groups + rollout_groups, pad_id, vocab_end,
-                                          args.response_length, args.local_generation_batch_size, compiled_step)
-        validation_generated, rollout_generated = generated[:len(validation_groups)], generated[len(validation_groups):]
+            validation_generated, rollout_generated = decode_update(
+                unwrapped.policy, stale, validation_groups, rollout_groups, pad_id, vocab_end, args.response_length,
+                args.local_generation_batch_size, compiled_step)
 
         with timer("validation"):  # the current policy's score on the held-out queries
             validation_metrics = validate(run, reward_model, tokenizer, validation_batch, validation_generated, logger,
@@ -680,6 +695,11 @@ def main(args: Args) -> None:
             for group, (response, logprob) in zip(rollout_groups, rollout_generated):
                 query = group.queries
                 query_response = torch.cat([query, response], 1)
+                sampled_logprob = logprob
+                if stale.staleness():
+                    with timer("learner_forward"), accelerator.autocast():
+                        logprob = learner_logprobs(unwrapped.policy, query_response, response, temperature, pad_id,
+                                                   vocab_end)
                 with timer("reference_forward"), accelerator.autocast():
                     # the reference sees the raw response, with the same temperature scaling
                     with reference_policy(unwrapped.policy, ref_policy) as reference:
@@ -693,9 +713,9 @@ def main(args: Args) -> None:
                     # the reward model scores the EOS-truncated response at its EOS
                     postprocessed = truncate_response(response, eos_id, pad_id)
                     score = get_reward(reward_model, torch.cat([query, postprocessed], 1), pad_id).float()
-                chunks.append((response, logprob, ref_logprob, value, score))
+                chunks.append((response, logprob, ref_logprob, value, score, logprob - sampled_logprob))
             with timer("advantages"):
-                responses, logprobs, ref_logprobs, values, scores = (torch.cat(x) for x in zip(*chunks))
+                responses, logprobs, ref_logprobs, values, scores, log_ratios = (torch.cat(x) for x in zip(*chunks))
                 query_responses = torch.cat([queries, responses], 1)
                 postprocessed_responses = truncate_response(responses, eos_id, pad_id)
                 contain_eos = (postprocessed_responses == eos_id).any(-1)
@@ -714,9 +734,9 @@ def main(args: Args) -> None:
                 advantages = masked_whiten(advantages, ~padding_mask, reduce=reduce).masked_fill(padding_mask, 0)
             # the global batch on every process: a minibatch draws from all of it (minibatch_rows)
             (query_responses, responses, logprobs, values, advantages, returns, padding_mask, padding_mask_p1, kl,
-             non_score_reward, scores, contain_eos, sequence_lengths) = gather_global(
+             non_score_reward, scores, contain_eos, sequence_lengths, log_ratios) = gather_global(
                 accelerator, query_responses, responses, logprobs, values, advantages, returns, padding_mask,
-                padding_mask_p1, kl, non_score_reward, scores, contain_eos, sequence_lengths)
+                padding_mask_p1, kl, non_score_reward, scores, contain_eos, sequence_lengths, log_ratios)
 
         if not run.all_finite(update, "rollout", scores=scores, values=values, advantages=advantages):
             checkpoints.after_update(update, args.run_name, logger)  # (--on_nonfinite skip: no training on it)
@@ -783,6 +803,7 @@ def main(args: Args) -> None:
                 **timer.metrics(tokens=args.batch_size * query_responses.shape[1], generated_tokens=(
                     args.batch_size + args.local_eval_batch_size * num_processes) * responses.shape[1]),
                 **(compiled_step.counters() if compiled_step is not None else {}),
+                **staleness_metrics(stale, log_ratios, ~padding_mask),
             }
             if args.ppo.use_adaptive_kl:
                 metrics["objective/kl_coef"] = kl_ctl.value

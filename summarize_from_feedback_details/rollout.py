@@ -11,7 +11,10 @@ a GPU the step under torch.compile with CUDA graphs (`CompiledStep`). Nothing he
 the engine changes no sample.
 """
 
+import contextlib
+import functools
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -242,3 +245,85 @@ def decode_in_batches(model, groups: list, pad_id: int, vocab_end: int, response
     if compiled_step is not None and not compiled_step.keep_caches:
         compiled_step.release()
     return results
+
+
+class StalePolicy:
+    """The sampler of an asynchronous run (`--async_steps N`): the rollouts trained on at update t are
+    sampled by the policy of update max(1, t - N) (the first N updates sample with the initial policy,
+    as a generator that starts with the learner does). It holds the trained parameters at the start of
+    the last N + 1 updates (on the CPU, oldest first; a LoRA run's adapters only) and lends the oldest
+    to the policy itself for the decode (`weights`), so the decode runs the policy's own modules (and
+    compiled step) and the policy gets its own weights back bit for bit. N = 0 holds nothing and
+    changes nothing: the synchronous loop. What it holds is part of the checkpoint (`state_dict`)."""
+
+    def __init__(self, policy, async_steps: int):
+        if async_steps < 0:
+            raise ValueError(f"--async_steps {async_steps}: the rollouts' age in updates cannot be negative")
+        self.policy, self.async_steps = policy, async_steps
+        self.snapshots = deque()
+
+    def trained(self) -> dict:
+        return {name: p for name, p in self.policy.named_parameters() if p.requires_grad}
+
+    def start_update(self) -> None:
+        """At the start of an update, before its decode: keeps the policy's weights of this update."""
+        if self.async_steps:
+            self.snapshots.append({name: p.detach().to("cpu", copy=True) for name, p in self.trained().items()})
+            if len(self.snapshots) > self.async_steps + 1:
+                self.snapshots.popleft()
+
+    def staleness(self) -> int:
+        """How many updates old the sampler's weights are (< N in the first N updates)."""
+        return len(self.snapshots) - 1 if self.async_steps else 0
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def weights(self):
+        """Inside the block the policy holds the sampler's weights; after it, its own again."""
+        if not self.staleness():
+            yield self.policy
+            return
+        trained = self.trained()
+        own = {name: p.detach().to("cpu", copy=True) for name, p in trained.items()}
+        for name, p in trained.items():
+            p.copy_(self.snapshots[0][name])
+        try:
+            yield self.policy
+        finally:
+            for name, p in trained.items():
+                p.copy_(own[name])
+
+    def state_dict(self) -> dict:
+        return {"async_steps": self.async_steps, "snapshots": list(self.snapshots)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.async_steps, self.snapshots = state["async_steps"], deque(state["snapshots"])
+
+
+def decode_update(policy, stale: StalePolicy, validation_groups: list, rollout_groups: list, pad_id: int,
+                  vocab_end: int, response_length: int, batch_size: int,
+                  compiled_step: Optional[CompiledStep] = None) -> tuple:
+    """An update's decodes: (the validation groups' samples, the rollout groups'). The validation
+    queries are always sampled by the learner's policy (its score now); the rollouts by `stale`'s
+    weights. Synchronously (N = 0) both go through one `decode_in_batches`, as they always did."""
+    decode_groups = functools.partial(decode_in_batches, pad_id=pad_id, vocab_end=vocab_end,
+                                      response_length=response_length, batch_size=batch_size,
+                                      compiled_step=compiled_step)
+    if not stale.staleness():
+        generated = decode_groups(policy, validation_groups + rollout_groups)
+        return generated[:len(validation_groups)], generated[len(validation_groups):]
+    with stale.weights() as sampler:
+        rollouts = decode_groups(sampler, rollout_groups)
+    return decode_groups(policy, validation_groups), rollouts
+
+
+def staleness_metrics(stale: StalePolicy, log_ratios: torch.Tensor, mask: torch.Tensor) -> dict:
+    """async/ metrics of an asynchronous run (none in a synchronous one): how many updates old the
+    rollouts' sampler was, and the importance ratio learner / sampler of the sampled tokens (`mask`:
+    the real ones) that a stale sample would carry, its mean, spread and extremes."""
+    if not stale.async_steps:
+        return {}
+    ratios = log_ratios[mask].double().exp()
+    return {"async/staleness": stale.staleness(), "async/ratio_mean": ratios.mean().item(),
+            "async/ratio_std": ratios.std().item() if len(ratios) > 1 else 0.0,
+            "async/ratio_min": ratios.min().item(), "async/ratio_max": ratios.max().item()}
