@@ -78,7 +78,8 @@ from summarize_from_feedback_details.infra.loading import (describe_frozen, enab
                                                            load_tokenizer, prepare_frozen, require_splits)
 from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
 from summarize_from_feedback_details.infra.tracking import PhaseTimer
-from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches, derived_seed
+from summarize_from_feedback_details.rollout import (SamplingGroup, StalePolicy, compiled_step_for, decode_update,
+                                                     derived_seed, staleness_metrics)
 
 
 @dataclass
@@ -120,6 +121,9 @@ class MethodArgs:
     """rollout sampling temperature; the policy's and reference's log-probs in the loss are read at it too"""
     eval_temperature: float = 0.01
     """sampling temperature of the validation score and the final eval (the paper's 0.01)"""
+    async_steps: int = 0
+    """asynchronous RLHF: the pairs of update t are sampled by the policy of update t - N (the first N updates: the
+    SFT policy); the DPO loss reads the learner's log-probabilities, as always (docs/async.md)"""
 
     # optimizer
     lr: float = 3e-6
@@ -453,7 +457,8 @@ def main(args: Args) -> None:
     compiled_step = compiled_step_for(unwrapped, args.compile_decode, accelerator.device, accelerator.native_amp,
                                       run.print, keep_caches=not args.free_decode_cache)
     validation = ValidationQueries(dataset["validation"], QUERY_COLUMNS, args, accelerator)
-    checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [])
+    stale = StalePolicy(unwrapped, args.async_steps)  # (--async_steps: the weights that sample)
+    checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [stale])
     run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}")
     device = accelerator.device
     temperature, fwd_batch = args.temperature, args.local_rollout_forward_batch_size
@@ -488,10 +493,11 @@ def main(args: Args) -> None:
             SamplingGroup(queries[i: i + fwd_batch], temperature,
                           derived_seed(args.seed, 0, update, rank * local_queries + i, sample))
             for i in range(0, local_queries, fwd_batch) for sample in (0, 1)]
+        stale.start_update()
         with timer("generation"), accelerator.autocast():
-            generated = decode_in_batches(unwrapped, validation_groups + rollout_groups, pad_id, vocab_end,
-                                          args.response_length, args.local_generation_batch_size, compiled_step)
-        validation_generated, rollout_generated = generated[:len(validation_groups)], generated[len(validation_groups):]
+            validation_generated, rollout_generated = decode_update(
+                unwrapped, stale, validation_groups, rollout_groups, pad_id, vocab_end, args.response_length,
+                args.local_generation_batch_size, compiled_step)
 
         with timer("validation"):  # the current policy's score on the held-out queries
             validation_metrics = validate(run, reward_model, tokenizer, validation_batch, validation_generated, logger,
@@ -499,8 +505,8 @@ def main(args: Args) -> None:
 
         # ---- the reward model ranks each query's two samples ----------------------------------
         # rows 2q and 2q + 1 hold query q's samples 0 and 1
-        responses = torch.cat([torch.stack([first, second], 1).flatten(0, 1)
-                               for (first, _), (second, _) in zip(rollout_generated[::2], rollout_generated[1::2])])
+        responses, sampled_logprobs = (torch.cat([torch.stack([first, second], 1).flatten(0, 1) for first, second in
+                                                  zip(part[::2], part[1::2])]) for part in zip(*rollout_generated))
         repeated_queries = queries.repeat_interleave(2, 0)
         query_responses = torch.cat([repeated_queries, responses], 1)
         postprocessed = truncate_response(responses, eos_id, pad_id)
@@ -524,6 +530,7 @@ def main(args: Args) -> None:
         # ---- ONE optimizer step on the DPO loss of the batch's pairs --------------------------
         model.train()
         step_stats = torch.zeros(6, device=device)
+        learner_sums = torch.zeros(len(responses), device=device)  # (each sample's, before the step)
         for micro_start in range(0, local_queries, pairs_per_micro):
             # chosen then rejected in one forward; the reference reads the same rows in the same shape
             micro = torch.cat([chosen_rows[micro_start: micro_start + pairs_per_micro],
@@ -546,6 +553,7 @@ def main(args: Args) -> None:
                 chosen_rewards = implicit_rewards(policy_chosen, ref_chosen, args.beta)
                 rejected_rewards = implicit_rewards(policy_rejected, ref_rejected, args.beta)
                 policy_sums = torch.cat([policy_chosen, policy_rejected])
+                learner_sums[micro] = policy_sums
                 ref_sums = torch.cat([ref_chosen, ref_rejected])
                 step_stats += torch.stack([loss, (chosen_rewards > rejected_rewards).sum(), chosen_rewards.sum(),
                                            rejected_rewards.sum(), policy_sums.sum(), (policy_sums - ref_sums).sum()])
@@ -562,6 +570,8 @@ def main(args: Args) -> None:
             **timer.metrics(tokens=args.batch_size * query_responses.shape[1], generated_tokens=(
                 args.batch_size + args.local_eval_batch_size * num_processes) * responses.shape[1]),
             **(compiled_step.counters() if compiled_step is not None else {}),
+            **staleness_metrics(stale, accelerator.gather(learner_sums - masked_sums(sampled_logprobs, responses, eos_id)),
+                                unit="sequence"),
         }
         logger.log(metrics, update)
         del responses, query_responses, postprocessed, scores

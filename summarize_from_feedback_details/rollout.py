@@ -317,13 +317,15 @@ def decode_update(policy, stale: StalePolicy, validation_groups: list, rollout_g
     return decode_groups(policy, validation_groups), rollouts
 
 
-def staleness_metrics(stale: StalePolicy, log_ratios: torch.Tensor, mask: torch.Tensor) -> dict:
+def staleness_metrics(stale: StalePolicy, log_ratios: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                      unit: str = "token") -> dict:
     """async/ metrics of an asynchronous run (none in a synchronous one): how many updates old the
-    rollouts' sampler was, and the importance ratio learner / sampler of the sampled tokens (`mask`:
-    the real ones) that a stale sample would carry, its mean, spread and extremes."""
+    rollouts' sampler was, and the importance ratio learner / sampler that a stale sample carries, of
+    each sampled `unit` (token or sequence; `mask`: the real ones, all if None): its mean, spread and
+    extremes."""
     if not stale.async_steps:
         return {}
-    ratios = log_ratios[mask].double().exp()
-    return {"async/staleness": stale.staleness(), "async/ratio_mean": ratios.mean().item(),
-            "async/ratio_std": ratios.std().item() if len(ratios) > 1 else 0.0,
-            "async/ratio_min": ratios.min().item(), "async/ratio_max": ratios.max().item()}
+    ratios = (log_ratios if mask is None else log_ratios[mask]).double().exp()
+    return {"async/staleness": stale.staleness(), f"async/{unit}_ratio_mean": ratios.mean().item(),
+            f"async/{unit}_ratio_std": ratios.std().item() if len(ratios) > 1 else 0.0,
+            f"async/{unit}_ratio_min": ratios.min().item(), f"async/{unit}_ratio_max": ratios.max().item()}

@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import signal_on_call, without_rates
+import test_online_dpo
+from summarize_from_feedback_details import online_dpo
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import rollout
 from summarize_from_feedback_details.infra.checkpoints import CHECKPOINT_EXIT_CODE
@@ -73,9 +75,9 @@ def test_staleness_metrics_known_answer():
     mask = torch.tensor([[True, True, False], [True, True, False]])  # (padding excluded)
     metrics = rollout.staleness_metrics(stale, log_ratios, mask)
     assert metrics["async/staleness"] == 1
-    assert metrics["async/ratio_mean"] == pytest.approx(1.25)
-    assert metrics["async/ratio_std"] == pytest.approx(torch.tensor([2.0, 0.5, 1.0, 1.5]).std().item())
-    assert (metrics["async/ratio_min"], metrics["async/ratio_max"]) == pytest.approx((0.5, 2.0))
+    assert metrics["async/token_ratio_mean"] == pytest.approx(1.25)
+    assert metrics["async/token_ratio_std"] == pytest.approx(torch.tensor([2.0, 0.5, 1.0, 1.5]).std().item())
+    assert (metrics["async/token_ratio_min"], metrics["async/token_ratio_max"]) == pytest.approx((0.5, 2.0))
     assert rollout.staleness_metrics(rollout.StalePolicy(TwoLayers(), 0), log_ratios, mask) == {}
 
 
@@ -115,6 +117,18 @@ def recorded_decodes(monkeypatch) -> list:
     return calls
 
 
+def assert_sampled_by_update_t_minus_2(calls: list, metrics: list) -> None:
+    """4 updates at N = 2: update 1 decodes its validation and rollout queries together (its sampler
+    is the learner); from update 2 on the rollouts (temperature 0.7) are decoded by the weights that
+    decoded update max(1, t - 2)'s validation queries (temperature 0.01, always the learner's)."""
+    assert [temperatures for _, temperatures in calls[:7]] == [{0.7, 0.01}] + [{0.7}, {0.01}] * 3
+    learner = [calls[0][0]] + [weights for weights, _ in calls[2:7:2]]  # the validation decodes, updates 1-4
+    sampler = [calls[0][0]] + [weights for weights, _ in calls[1:7:2]]
+    assert len(set(learner)) == 4  # (the policy learns every update)
+    assert sampler == [learner[max(1, t - 2) - 1] for t in range(1, 5)]
+    assert [m["async/staleness"] for m in metrics] == [0, 1, 2, 2]
+
+
 COMMON = dict(total_episodes=32, local_micro_batch_size=2, gradient_accumulation_steps=4,
               local_rollout_forward_batch_size=8, local_eval_batch_size=4, lr=3e-3)
 
@@ -139,16 +153,11 @@ def test_ppo_rollouts_are_sampled_by_the_policy_of_update_t_minus_n(tiny_dataset
     assert not any(key.startswith("async/") for m in metrics for key in m)
 
     calls, metrics = runs[2]
-    assert [temperatures for _, temperatures in calls[:7]] == [{0.7, 0.01}] + [{0.7}, {0.01}] * 3
-    learner = [calls[0][0]] + [weights for weights, _ in calls[2:7:2]]  # the validation decodes, updates 1-4
-    sampler = [calls[0][0]] + [weights for weights, _ in calls[1:7:2]]
-    assert len(set(learner)) == 4  # (the policy learns every update)
-    assert sampler == [learner[max(1, t - 2) - 1] for t in range(1, 5)]
-    assert [m["async/staleness"] for m in metrics] == [0, 1, 2, 2]
+    assert_sampled_by_update_t_minus_2(calls, metrics)
     for m in metrics:
         assert abs(m["ppo/val/ratio_first_minibatch"] - 1) < 1e-5
         assert m["ppo/policy/approxkl_first_minibatch"] < 1e-9
-    assert metrics[0]["async/ratio_std"] == 0 and min(m["async/ratio_std"] for m in metrics[1:]) > 0.01
+    assert metrics[0]["async/token_ratio_std"] == 0 and min(m["async/token_ratio_std"] for m in metrics[1:]) > 0.01
     # the samples differ from the synchronous run's from update 2 on (not the same run twice)
     assert runs[0][1][1]["objective/scores"] != metrics[1]["objective/scores"]
 
@@ -171,3 +180,47 @@ def test_ppo_async_resume_equals_the_uninterrupted_run(tiny_datasets, checkpoint
     assert without_rates(resumed) == without_rates(whole)
     assert_same_params(load_file(os.path.join(workdir, "whole", "model.safetensors")),
                        load_file(os.path.join(workdir, "stopped", "model.safetensors")), rtol=0, atol=0)
+
+
+ONLINE_DPO = dict(total_episodes=32, local_micro_batch_size=2, gradient_accumulation_steps=4,
+                  local_rollout_forward_batch_size=2, local_eval_batch_size=4, lr=0.05, eps=1.0)
+
+
+def online_dpo_args(tiny_datasets, checkpoints, workdir, name, **changes) -> online_dpo.Args:
+    return test_online_dpo.tiny_args(os.path.join(tiny_datasets[0], "sft"), checkpoints, workdir, name,
+                                     **{**ONLINE_DPO, **changes})
+
+
+def test_online_dpo_pairs_are_sampled_by_the_policy_of_update_t_minus_n(tiny_datasets, checkpoints, tmp_path,
+                                                                       monkeypatch):
+    """N = 2, 4 updates of 4 pairs: the pairs of update t are decoded by update max(1, t - 2)'s
+    weights; the learner's sequence log-probabilities differ from the sampler's on stale pairs
+    only (update 1: the same weights, float noise)."""
+    workdir = str(tmp_path)
+    with monkeypatch.context() as patch:
+        calls = recorded_decodes(patch)
+        metrics = test_online_dpo.run_online_dpo(online_dpo_args(tiny_datasets, checkpoints, workdir, "async2",
+                                                                 async_steps=2), workdir)[:4]
+    assert_sampled_by_update_t_minus_2(calls, metrics)
+    assert metrics[0]["async/sequence_ratio_std"] < 1e-4
+    assert min(m["async/sequence_ratio_std"] for m in metrics[1:]) > 0.01
+
+
+def test_online_dpo_async_resume_equals_the_uninterrupted_run(tiny_datasets, checkpoints, tmp_path, monkeypatch):
+    """N = 1, 4 updates of 4 micro-batches: SIGUSR1 in update 2, then --resume: the uninterrupted
+    run's weights and metrics, bit for bit."""
+    workdir = str(tmp_path)
+    whole = test_online_dpo.run_online_dpo(online_dpo_args(tiny_datasets, checkpoints, workdir, "whole",
+                                                           async_steps=1), workdir)
+    with monkeypatch.context() as patch:
+        signal_on_call(patch, online_dpo, "dpo_losses", 4 + 2)
+        with pytest.raises(SystemExit) as stopped:
+            test_online_dpo.run_online_dpo(online_dpo_args(tiny_datasets, checkpoints, workdir, "stopped",
+                                                           async_steps=1), workdir)
+    assert stopped.value.code == CHECKPOINT_EXIT_CODE
+    resumed = test_online_dpo.run_online_dpo(online_dpo_args(tiny_datasets, checkpoints, workdir, "stopped",
+                                                             async_steps=1, resume=True), workdir)
+    assert [m["async/staleness"] for m in whole[:4]] == [0, 1, 1, 1]
+    assert without_rates(resumed) == without_rates(whole)
+    assert_same_params(test_online_dpo.saved(workdir, "whole"), test_online_dpo.saved(workdir, "stopped"),
+                       rtol=0, atol=0)
