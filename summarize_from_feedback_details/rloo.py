@@ -78,7 +78,8 @@ from summarize_from_feedback_details.infra.loading import (describe_frozen, enab
                                                            load_tokenizer, prepare_frozen, require_splits)
 from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
 from summarize_from_feedback_details.infra.tracking import PhaseTimer
-from summarize_from_feedback_details.rollout import SamplingGroup, compiled_step_for, decode_in_batches, derived_seed
+from summarize_from_feedback_details.rollout import (SamplingGroup, StalePolicy, compiled_step_for, decode_update,
+                                                     derived_seed, staleness_metrics)
 
 
 @dataclass
@@ -138,6 +139,9 @@ class MethodArgs:
     """rollout sampling temperature; the policy's and reference's logits are divided by it too"""
     eval_temperature: float = 0.01
     """sampling temperature of the validation score and the final eval (the paper's 0.01)"""
+    async_steps: int = 0
+    """asynchronous RLHF: the rollouts of update t are sampled by the policy of update t - N (the first N updates:
+    the SFT policy), their log-probs recomputed by the learner's policy for the ratio and the KL (docs/async.md)"""
 
     # optimizer
     lr: float = 3e-6
@@ -354,6 +358,15 @@ def response_logits(model, query_responses: torch.Tensor, pad_id: int, response_
     not computed (packed, or with --no_packing the columns every row pads)."""
     query_responses = packing.without_shared_padding(query_responses, pad_id)
     return forward(model, query_responses, pad_id, logits_to_keep=response_length + 1)[:, :-1]
+
+
+def learner_logprobs(policy, query_response: torch.Tensor, response: torch.Tensor, temperature: float, pad_id: int,
+                     vocab_end: int) -> torch.Tensor:
+    """A stale rollout's log-probs under the learner's policy: the ratio and the KL penalty read them (as the
+    asynchronous RLHF paper's code does, mnoukhov/async_rlhf src/ppo_single_vllm_trainer.py: generate, then a
+    forward of the learner), so PPO's first ratio is 1 and the clip bounds the step from the learner's policy."""
+    logits = response_logits(policy, query_response, pad_id, response.shape[1])
+    return gather_logprobs(scaled_logits(logits, temperature, pad_id, vocab_end), response)
 
 
 def get_reward(model, query_responses: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -609,7 +622,8 @@ def main(args: Args) -> None:
     compiled_step = compiled_step_for(unwrapped, args.compile_decode, accelerator.device, accelerator.native_amp,
                                       run.print, keep_caches=not args.free_decode_cache)
     validation = ValidationQueries(dataset["validation"], QUERY_COLUMNS, args, accelerator)
-    checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [])
+    stale = StalePolicy(unwrapped, args.async_steps)  # (--async_steps: the weights that sample)
+    checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [stale])
     run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}")
     device = accelerator.device
     temperature, fwd_batch, length = args.temperature, args.local_rollout_forward_batch_size, args.response_length
@@ -641,10 +655,11 @@ def main(args: Args) -> None:
             SamplingGroup(queries[i: i + fwd_batch], temperature, derived_seed(args.seed, 0, update,
                                                                                rank * local_queries + i, j))
             for i in range(0, local_queries, fwd_batch) for j in range(k)]
+        stale.start_update()
         with timer("generation"), accelerator.autocast():
-            generated = decode_in_batches(unwrapped, validation_groups + rollout_groups, pad_id, vocab_end, length,
-                                          args.local_generation_batch_size, compiled_step)
-        validation_generated, rollout_generated = generated[:len(validation_groups)], generated[len(validation_groups):]
+            validation_generated, rollout_generated = decode_update(
+                unwrapped, stale, validation_groups, rollout_groups, pad_id, vocab_end, length,
+                args.local_generation_batch_size, compiled_step)
 
         with timer("validation"):  # the current policy's score on the held-out queries
             validation_metrics = validate(run, reward_model, tokenizer, validation_batch, validation_generated, logger,
@@ -655,6 +670,10 @@ def main(args: Args) -> None:
             chunks = []
             for group, (response, logprob) in zip(rollout_groups, rollout_generated):
                 query_response = torch.cat([group.queries, response], 1)
+                sampled_logprob = logprob
+                if stale.staleness():
+                    with timer("learner_forward"), accelerator.autocast():
+                        logprob = learner_logprobs(unwrapped, query_response, response, temperature, pad_id, vocab_end)
                 with timer("reference_forward"), accelerator.autocast():
                     # the reference sees the raw response, with the same temperature scaling
                     with reference_policy(unwrapped, ref_policy) as reference:
@@ -665,10 +684,10 @@ def main(args: Args) -> None:
                     # the reward model scores the EOS-truncated response at its EOS
                     postprocessed = truncate_response(response, eos_id, pad_id)
                     score = get_reward(reward_model, torch.cat([group.queries, postprocessed], 1), pad_id).float()
-                chunks.append((response, logprob, ref_logprob, score))
+                chunks.append((response, logprob, ref_logprob, score, logprob - sampled_logprob))
             with timer("advantages"):
                 # row q * k + j: sample j of query q
-                responses, logprobs, ref_logprobs, scores = (query_major(list(x), k) for x in zip(*chunks))
+                responses, logprobs, ref_logprobs, scores, log_ratios = (query_major(list(x), k) for x in zip(*chunks))
                 query_responses = torch.cat([queries.repeat_interleave(k, 0), responses], 1)
                 postprocessed_responses = truncate_response(responses, eos_id, pad_id)
                 contain_eos = (postprocessed_responses == eos_id).any(-1)
@@ -677,8 +696,9 @@ def main(args: Args) -> None:
                 sequence_lengths, padding_mask, _ = response_masks(postprocessed_responses, pad_id)
                 # the global batch on every process: advantages over whole groups, minibatches from all of it
                 (query_responses, responses, logprobs, ref_logprobs, padding_mask, scores, contain_eos,
-                 sequence_lengths) = gather_global(accelerator, query_responses, responses, logprobs, ref_logprobs,
-                                                   padding_mask, scores, contain_eos, sequence_lengths)
+                 sequence_lengths, log_ratios) = gather_global(accelerator, query_responses, responses, logprobs,
+                                                               ref_logprobs, padding_mask, scores, contain_eos,
+                                                               sequence_lengths, log_ratios)
                 kl = sequence_kl(logprobs, ref_logprobs, ~padding_mask)
                 if args.algorithm == "rloo":  # the KL is in the reward, the whole response one action
                     rewards = scores - args.kl_coef * kl
@@ -738,6 +758,7 @@ def main(args: Args) -> None:
                 **timer.metrics(tokens=args.batch_size * query_responses.shape[1], generated_tokens=(
                     args.batch_size + args.local_eval_batch_size * num_processes) * length),
                 **(compiled_step.counters() if compiled_step is not None else {}),
+                **staleness_metrics(stale, log_ratios, ~padding_mask),
             }
         logger.log(metrics, update)
         del responses, logprobs, ref_logprobs, scores, query_responses, postprocessed_responses, rewards, advantages, kl

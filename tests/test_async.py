@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import signal_on_call, without_rates
 import test_online_dpo
+import test_rloo
 from summarize_from_feedback_details import online_dpo
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import rollout
@@ -224,3 +225,22 @@ def test_online_dpo_async_resume_equals_the_uninterrupted_run(tiny_datasets, che
     assert without_rates(resumed) == without_rates(whole)
     assert_same_params(test_online_dpo.saved(workdir, "whole"), test_online_dpo.saved(workdir, "stopped"),
                        rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "grpo"])
+def test_rloo_and_grpo_rollouts_are_sampled_by_the_policy_of_update_t_minus_n(algorithm, tiny_datasets, checkpoints,
+                                                                             tmp_path, monkeypatch):
+    """N = 2, 4 updates of 4 queries x k = 2: the rollouts of update t are decoded by update
+    max(1, t - 2)'s weights; the stale samples' importance ratios move away from 1 and the first
+    ratio of every update is 1 (the learner's recomputed log-probabilities)."""
+    workdir = str(tmp_path)
+    with monkeypatch.context() as patch:
+        calls = recorded_decodes(patch)
+        args = test_rloo.tiny_args(tiny_datasets, checkpoints, workdir, algorithm, algorithm=algorithm, async_steps=2,
+                                   local_micro_batch_size=4, gradient_accumulation_steps=1, local_eval_batch_size=4,
+                                   **{**test_rloo.BASE, "total_episodes": 32, "lr": 0.05})
+        metrics = test_rloo.run_rloo(args, workdir)[:4]
+    assert_sampled_by_update_t_minus_2(calls, metrics)
+    for m in metrics:
+        assert abs(m["ppo/val/ratio_first_minibatch"] - 1) < 1e-5
+    assert metrics[0]["async/token_ratio_std"] == 0 and min(m["async/token_ratio_std"] for m in metrics[1:]) > 1e-4
