@@ -79,6 +79,13 @@ scaling: install
 compare: install
 	./compare.sh
 
+# Opt-in, not part of `make test`: the staleness study of asynchronous RLHF on the embedded default
+# (PPO, RLOO k=2, GRPO k=4 and online DPO at --async_steps 0 1 2 4 8 x seeds 1 2 3, from hello_world's
+# SFT and reward model); then eval/images/async/ (async.sh; docs/async.md reads it).
+.PHONY: async
+async: install
+	./async.sh
+
 # Opt-in, not part of `make test`: the sbatches/ chain (TINY=1) and a PPO task stopped twice,
 # requeued and resumed, on a throwaway one-node Slurm cluster started on this machine; then one task
 # over two nodes (two slurmd in network namespaces on a bridge) stopped, requeued and resumed,

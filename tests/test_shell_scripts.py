@@ -31,7 +31,7 @@ SBATCHES = ("sft.sbatch", "reward.sbatch", "ppo_left_padding.sbatch", "dpo.sbatc
 ONLINE_SBATCHES = ("rloo.sbatch", "online_dpo.sbatch")  # beside PPO, after the reward model
 # the scripts a user runs on a login or compute node. tests/slurm/test_sbatch_chain.sh is not one:
 # it runs as root on a Debian machine with its bash 5.
-SCRIPTS = ("hello_world.sh", "scaling.sh", "compare.sh", "sweep_args.sh", "sbatches/common.sh",
+SCRIPTS = ("hello_world.sh", "scaling.sh", "compare.sh", "async.sh", "sweep_args.sh", "sbatches/common.sh",
            "sbatches/tiny_default.sh", *(f"sbatches/{name}" for name in SBATCHES + ONLINE_SBATCHES))
 
 # --- the static check ------------------------------------------------------------------------------
