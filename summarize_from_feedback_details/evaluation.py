@@ -48,13 +48,19 @@ class ValidationQueries:
     def __init__(self, split, columns, args, accelerator):
         self.split = split.with_format("torch", columns=list(columns))
         self.order = torch.randperm(len(split), generator=torch.Generator().manual_seed(args.seed)).tolist()
-        self.size = args.local_eval_batch_size
+        self.size, self.seed, self.temperature = args.local_eval_batch_size, args.seed, args.eval_temperature
         self.offset, self.stride = accelerator.process_index * self.size, accelerator.num_processes * self.size
 
     def batch(self, update: int, device) -> dict:
         """This process's queries of `update` (1-based), on `device`."""
         rows = cycling_slice(self.order, (update - 1) * self.stride + self.offset, self.size)
         return {k: v.to(device) for k, v in self.split[rows].items()}
+
+    def groups(self, batch: dict, update: int, chunk: int) -> list:
+        """The sampling groups of `update`'s `batch`: chunks of `chunk` queries at --eval_temperature, each
+        chunk's noise seeded by its position in the global eval batch only (any process count samples alike)."""
+        return [SamplingGroup(batch["query_token"][i: i + chunk], self.temperature,
+                              derived_seed(self.seed, 1, update, self.offset + i)) for i in range(0, self.size, chunk)]
 
 
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:

@@ -485,10 +485,7 @@ def main(args: Args) -> None:
         # ---- generation: the validation chunks, then two samples of every rollout chunk --------
         # each sample's noise depends on its chunk's position in the global batch and the sample
         # index only, so a query's two samples come from the same rank on any process count
-        validation_groups = [
-            SamplingGroup(validation_batch["query_token"][i: i + fwd_batch], args.eval_temperature,
-                          derived_seed(args.seed, 1, update, rank * args.local_eval_batch_size + i))
-            for i in range(0, args.local_eval_batch_size, fwd_batch)]
+        validation_groups = validation.groups(validation_batch, update, fwd_batch)
         rollout_groups = [
             SamplingGroup(queries[i: i + fwd_batch], temperature,
                           derived_seed(args.seed, 0, update, rank * local_queries + i, sample))

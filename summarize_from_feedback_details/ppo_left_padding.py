@@ -671,10 +671,7 @@ def main(args: Args) -> None:
 
         # ---- generation: the validation and rollout chunks in batched decodes ------------------
         # each chunk's sampling noise depends on its position in the global batch only
-        validation_groups = [
-            SamplingGroup(validation_batch["query_token"][i: i + fwd_batch], args.eval_temperature,
-                          derived_seed(args.seed, 1, update, rank * args.local_eval_batch_size + i))
-            for i in range(0, args.local_eval_batch_size, fwd_batch)]
+        validation_groups = validation.groups(validation_batch, update, fwd_batch)
         rollout_groups = [
             SamplingGroup(queries[i: i + fwd_batch], temperature,
                           derived_seed(args.seed, 0, update, rank * args.local_batch_size + i))

@@ -647,10 +647,7 @@ def main(args: Args) -> None:
         queries = data["query_token"]
 
         # ---- generation: each query chunk k times, sample j from a seed of (update, chunk's global row, j)
-        validation_groups = [
-            SamplingGroup(validation_batch["query_token"][i: i + fwd_batch], args.eval_temperature,
-                          derived_seed(args.seed, 1, update, rank * args.local_eval_batch_size + i))
-            for i in range(0, args.local_eval_batch_size, fwd_batch)]
+        validation_groups = validation.groups(validation_batch, update, fwd_batch)
         rollout_groups = [
             SamplingGroup(queries[i: i + fwd_batch], temperature, derived_seed(args.seed, 0, update,
                                                                                rank * local_queries + i, j))

@@ -332,16 +332,23 @@ def test_validation_queries_walk_the_split_and_seeds():
     # the stages' per-update queries: one process with 4 = two processes with 2 each, update after update,
     # walking through a permutation of the split seeded by --seed
     split = Dataset.from_dict({"query_token": [[i] for i in range(5)], "other": list(range(5))})
-    args = types.SimpleNamespace(seed=3, local_eval_batch_size=4)
+    args = types.SimpleNamespace(seed=3, local_eval_batch_size=4, eval_temperature=0.01)
     one = evaluation.ValidationQueries(split, ["query_token"], args, fake_accelerator())
-    two = [evaluation.ValidationQueries(split, ["query_token"], types.SimpleNamespace(seed=3, local_eval_batch_size=2),
-                                        fake_accelerator(2, rank)) for rank in (0, 1)]
+    two = [evaluation.ValidationQueries(split, ["query_token"], types.SimpleNamespace(
+        seed=3, local_eval_batch_size=2, eval_temperature=0.01), fake_accelerator(2, rank)) for rank in (0, 1)]
     permutation = torch.randperm(5, generator=torch.Generator().manual_seed(3)).tolist()
     for update in (1, 2, 3):
         batch = one.batch(update, "cpu")
         assert batch.keys() == {"query_token"}
         assert batch["query_token"][:, 0].tolist() == evaluation.cycling_slice(permutation, (update - 1) * 4, 4)
         assert torch.equal(batch["query_token"], torch.cat([part.batch(update, "cpu")["query_token"] for part in two]))
+        # sampled in chunks of 2 seeded by (seed, 1, update, global row): the same groups on one process or two
+        groups = one.groups(batch, update, 2)
+        assert [(g.queries.tolist(), g.temperature, g.seed) for g in groups] == [
+            (g.queries.tolist(), g.temperature, g.seed) for part in two
+            for g in part.groups(part.batch(update, "cpu"), update, 2)]
+        assert [g.seed for g in groups] == [rollout.derived_seed(3, 1, update, row) for row in (0, 2)]
+        assert [g.temperature for g in groups] == [0.01, 0.01]
     assert rollout.derived_seed(1, 0, 2, 3) == rollout.derived_seed(1, 0, 2, 3) != rollout.derived_seed(1, 0, 3, 2)
 
 
