@@ -6,6 +6,7 @@ utilisation of the device's own measured matmul peak; and a side-by-side run aga
     python benchmarks/ppo_speed.py --mode trl --shapes 1m 10m                            # vs TRL, CPU
     python benchmarks/ppo_speed.py --shapes pythia-1b --query_length 512 --batch_size 64 \\
         --micro_batch_sizes 8 16 --strategies single zero2 zero2-offload                 # one GPU, bf16
+    python benchmarks/ppo_speed.py --shapes tiny-m 10m --samplers sync sequential overlapped  # async RLHF
 
 Everything is offline: each shape's "SFT" (AutoModelForCausalLM) and "reward model"
 (AutoModelForSequenceClassification, num_labels 1) are randomly initialised GPT-NeoX models written
@@ -53,6 +54,16 @@ Decode: `ms/step` is the generation phase over `response_length` steps (the pref
 large buffer copies): it must read the policy's matmul weights (fp32, bf16 under DeepSpeed on a
 GPU) and its batch's whole static KV cache (query + response positions, all layers) once.
 
+`--samplers`: who samples the rollouts (docs/async.md). `sync` is today's loop; `sequential` samples
+with the weights of `--async_steps` updates ago in the learner's process, before it trains; `overlapped`
+samples the same rollouts in a worker process (the stage's --async_worker, on the learner's device)
+while the learner trains the update before. On a CPU the worker's `--worker_threads` come out of the
+setting's threads, so a sync row and an overlapped row use the same cores. The rows add the worker's
+decode seconds per update (`worker_generation_seconds`), the learner's wait for them
+(`worker_wait_seconds`) and the fraction of the decode hidden behind the learner's work
+(`worker_hidden_fraction`); `time/generation` is then the learner's part (the wait and the validation
+decode).
+
 `--mode trl` (side by side) alternates blocks in this one process: round 1 ours then TRL, round 2
 TRL then ours, ... (`--rounds`), each a fresh run of `--updates` updates on the same random-init
 checkpoints, the same queries, lengths, batch, epochs, dtype and torch threads. Per update:
@@ -89,6 +100,7 @@ import csv
 import functools
 import gc
 import importlib
+import itertools
 import json
 import math
 import os
@@ -146,6 +158,15 @@ class Args:
     forwards: list[Literal["padded", "packed", "compiled"]] = field(default_factory=lambda: ["packed"])
     """the stage's scoring and training forwards: padded (--no_packing), packed (the default: real tokens
     only) or compiled (packed and --compile_train); each a setting of its own, in both modes"""
+    samplers: list[Literal["sync", "sequential", "overlapped"]] = field(default_factory=lambda: ["sync"])
+    """who samples the rollouts (speed mode): sync (today's loop, --async_steps 0), sequential (--async_steps
+    ASYNC_STEPS, sampled in the learner's process before it trains) or overlapped (the same rollouts sampled by
+    a worker process while the learner trains: --async_worker, on the learner's device; one process only)"""
+    async_steps: int = 1
+    """the rollouts' age in updates of the sequential and overlapped samplers"""
+    worker_threads: int = 1
+    """overlapped on a CPU: the worker's torch threads, taken from the setting's (the learner keeps the rest,
+    at least one), so that sync and overlapped rows use the same cores"""
     """per-process micro-batch sizes, capped at the per-process batch (which each must divide)"""
     num_processes: int = 2
     """processes of the ddp / zero2 strategies (one GPU each on GPUs)"""
@@ -441,6 +462,7 @@ class Setting:
     threads: int
     variant: str = "full"
     forwards: str = "packed"
+    sampler: str = "sync"
 
 
 def stage_args(args: Args, setting: Setting, sft_path: str, rm_path: str, dataset: str, run_name: str) -> ppo.Args:
@@ -460,6 +482,11 @@ def stage_args(args: Args, setting: Setting, sft_path: str, rm_path: str, datase
     if setting.variant == "lora":
         stage.use_peft, stage.lora_r = True, args.lora_r
     stage.packing, stage.compile_train = setting.forwards != "padded", setting.forwards == "compiled"
+    if setting.sampler != "sync":
+        stage.async_steps = args.async_steps
+    if setting.sampler == "overlapped":
+        stage.async_worker = "cuda" if torch.cuda.is_available() else "cpu"
+        stage.async_worker_threads = args.worker_threads
     return stage
 
 
@@ -624,7 +651,7 @@ def measure_ours(args: Args, setting: Setting, workdir: str, device: str, consol
     dataset = build_query_dataset(args.cache_dir, args.batch_size, args.query_length, args.response_length,
                                   config.vocab_size, args.seed)
     name = (f"{setting.shape}_{setting.strategy}{setting.num_processes}_mb{setting.micro_batch_size}_"
-            f"{setting.variant}_{setting.forwards}_{time.time_ns()}")
+            f"{setting.variant}_{setting.forwards}_{setting.sampler}_{time.time_ns()}")
     stage = stage_args(args, setting, sft_path, rm_path, dataset, name)
     peak = math.nan  # (a launched run's processes are not this one)
     if setting.strategy == "single":
@@ -635,8 +662,14 @@ def measure_ours(args: Args, setting: Setting, workdir: str, device: str, consol
     else:
         run_ours_launched(stage, setting, workdir, device, args.updates, console)
     metrics = read_metrics(workdir, name)
+    # overlapped: the worker's decode seconds, the learner's wait for them, the fraction hidden (medians)
+    worker = {key[len("async/"):]: statistics.median(m[key] for m in metrics[1:]) for key in WORKER_METRICS
+              if all(key in m for m in metrics[1:])}
     return {"seconds": [m["time/update"] for m in metrics[1:]], "phases": phase_seconds(metrics[1:]),
-            "peak_memory_gib": peak}
+            "peak_memory_gib": peak, "worker": worker}
+
+
+WORKER_METRICS = ("async/worker_generation_seconds", "async/worker_wait_seconds", "async/worker_hidden_fraction")
 
 
 def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak: float, bandwidth: float) -> dict:
@@ -660,7 +693,9 @@ def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak:
                                    2 if device == "cuda" else 4)
     return {
         "shape": setting.shape, "params": total_params(setting.shape), "strategy": setting.strategy,
-        "variant": setting.variant, "forwards": setting.forwards, "trainable_params": trainable_params(setting.shape, setting.variant, args.lora_r),
+        "variant": setting.variant, "forwards": setting.forwards, "sampler": setting.sampler,
+        "async_steps": 0 if setting.sampler == "sync" else args.async_steps,
+        "trainable_params": trainable_params(setting.shape, setting.variant, args.lora_r),
         "peak_memory_gib": measured["peak_memory_gib"],
         "processes": setting.num_processes, "micro_batch": setting.micro_batch_size, "batch": args.batch_size,
         "query_length": args.query_length, "response_length": args.response_length, "device": device,
@@ -679,7 +714,7 @@ def summary_row(args: Args, setting: Setting, measured: dict, device: str, peak:
         "epoch_utilisation": (epoch_flops(policy_params, critic_params, args.batch_size, args.query_length,
                                           args.response_length, args.noptepochs) / phases["time/ppo_epochs"] / peak
                               if phases.get("time/ppo_epochs") else math.nan),
-        "status": "ok",
+        **measured.get("worker", {}), "status": "ok",
     }
 
 
@@ -695,9 +730,11 @@ def speed_settings(args: Args, device: str) -> list:
             local_batch = max(1, args.batch_size // processes)
             # a micro-batch larger than a process's share of the batch means "all of it"
             for micro in dict.fromkeys(min(m, local_batch) for m in args.micro_batch_sizes):
-                for variant in args.variants:
-                    settings += [Setting(shape, strategy, processes, micro, args.threads or default_threads, variant,
-                                         forwards) for forwards in args.forwards]
+                for variant, forwards, sampler in itertools.product(args.variants, args.forwards, args.samplers):
+                    threads = args.threads or default_threads
+                    if sampler == "overlapped" and device == "cpu":
+                        threads = max(1, threads - args.worker_threads)  # (the worker's cores are the setting's)
+                    settings.append(Setting(shape, strategy, processes, micro, threads, variant, forwards, sampler))
     return settings
 
 
@@ -705,6 +742,8 @@ def check_setting(args: Args, setting: Setting) -> Optional[str]:
     """Why a setting cannot run (batch arithmetic), or None."""
     if setting.strategy == "ddp" and setting.num_processes < 2:
         return "DDP needs 2 or more processes (one GPU each)"
+    if setting.sampler == "overlapped" and setting.strategy != "single":
+        return "the overlapped sampler is measured on one process"
     if args.batch_size % setting.num_processes:
         return f"batch {args.batch_size} not divisible by {setting.num_processes} processes"
     local = args.batch_size // setting.num_processes
@@ -741,13 +780,14 @@ def run_speed(args: Args, device: str, console: Console) -> list:
     for setting in speed_settings(args, device):
         base = {"shape": setting.shape, "strategy": setting.strategy, "processes": setting.num_processes,
                 "micro_batch": setting.micro_batch_size, "variant": setting.variant, "forwards": setting.forwards,
-                "device": device}
+                "sampler": setting.sampler, "device": device}
         problem = check_setting(args, setting)
         if problem:
             rows.append({**base, "status": f"skipped: {problem}"})
             continue
         console.print(f"[bold]{setting.shape}[/] {setting.strategy} x{setting.num_processes} micro-batch "
-                      f"{setting.micro_batch_size} {setting.variant}, {setting.threads} thread(s) per process",
+                      f"{setting.micro_batch_size} {setting.variant} {setting.sampler}, {setting.threads} thread(s) "
+                      "per process",
                       highlight=False)
         # the peak this setting's hardware share can give: all its threads (CPU) or all its GPUs
         peak_threads = min(available_cores(), setting.threads * setting.num_processes) if device == "cpu" else 1
@@ -976,11 +1016,10 @@ def ordered_phases(names) -> list:
 def print_speed_table(rows: list, console: Console) -> None:
     phases = ordered_phases(k[len("time/"):] for row in rows for k in row if k.startswith("time/"))
     table = Table(title="ppo_left_padding.py: seconds per update (median over the measured updates)")
-    for column in ["shape", "params", "strategy", "variant", "forwards", "trainable", "proc", "micro", "s/update",
-                   *[PHASE_LABELS.get(p, p) for p in phases], "other", "tok/s", "gen tok/s", "ms/step",
-                   "floor ms", "TFLOP/upd", "util", "epoch util", "peak GiB",
-                   "status"]:
-        text = column in ("shape", "strategy", "variant", "forwards", "status")
+    for column in ["shape", "params", "strategy", "variant", "forwards", "sampler", "trainable", "proc", "micro",
+                   "s/update", *[PHASE_LABELS.get(p, p) for p in phases], "other", "tok/s", "gen tok/s", "ms/step",
+                   "floor ms", "TFLOP/upd", "util", "epoch util", "peak GiB", "worker gen", "hidden", "status"]:
+        text = column in ("shape", "strategy", "variant", "forwards", "sampler", "status")
         table.add_column(column, justify="left" if text else "right", no_wrap=column != "status")
     for row in rows:
         ok = row.get("status") == "ok"
@@ -988,7 +1027,8 @@ def print_speed_table(rows: list, console: Console) -> None:
         def number(value, fmt):
             return format(value, fmt) if ok and value is not None and not math.isnan(value) else "-"
 
-        table.add_row(row["shape"], f"{total_params(row['shape']) / 1e6:.1f}M", row["strategy"], row["variant"], row["forwards"],
+        table.add_row(row["shape"], f"{total_params(row['shape']) / 1e6:.1f}M", row["strategy"], row["variant"],
+                      row["forwards"], row.get("sampler", "sync"),
                       f"{row['trainable_params'] / 1e6:.2f}M" if ok else "-",
                       str(row["processes"]), str(row["micro_batch"]), number(row.get("s_per_update"), ".3f"),
                       *[number(row.get(f"time/{p}"), ".3f") for p in phases], number(row.get("other_s"), ".3f"),
@@ -996,7 +1036,8 @@ def print_speed_table(rows: list, console: Console) -> None:
                       number(row.get("decode_ms_per_step"), ".2f"), number(row.get("floor_ms_per_step"), ".2f"),
                       number(row.get("tflop_per_update"), ".4f"), f"{row['utilisation']:.1%}" if ok else "-",
                       f"{row['epoch_utilisation']:.1%}" if ok else "-",
-                      number(row.get("peak_memory_gib"), ".2f"), row["status"])
+                      number(row.get("peak_memory_gib"), ".2f"), number(row.get("worker_generation_seconds"), ".3f"),
+                      number(row.get("worker_hidden_fraction"), ".0%"), row["status"])
     # a wide console even in a pipe or a log: the table has a column per phase
     Console(width=max(console.width, 180)).print(table)
 

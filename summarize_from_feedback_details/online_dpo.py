@@ -78,8 +78,8 @@ from summarize_from_feedback_details.infra.loading import (describe_frozen, enab
                                                            load_tokenizer, prepare_frozen, require_splits)
 from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
 from summarize_from_feedback_details.infra.tracking import PhaseTimer
-from summarize_from_feedback_details.rollout import (SamplingGroup, StalePolicy, compiled_step_for, decode_update,
-                                                     derived_seed, staleness_metrics)
+from summarize_from_feedback_details.rollout import (RolloutChunks, StalePolicy, compiled_step_for, decode_update,
+                                                     staleness_metrics, with_next)
 
 
 @dataclass
@@ -173,6 +173,11 @@ class MethodArgs:
     free_decode_cache: Resumable[bool] = False
     """with the compiled decode: free its static KV cache after each rollout, before the DPO step, at
     the cost of recording the CUDA graphs again every update"""
+    async_worker: Resumable[Optional[str]] = None
+    """--async_steps >= 1 overlapped: a worker process on this device (cpu, cuda:1) samples update t + 1's rollouts
+    during update t (the same tokens as sampling in this process, the default, at one thread each: docs/async.md)"""
+    async_worker_threads: Resumable[int] = 1
+    """the CPU threads of --async_worker cpu"""
     deepspeed: Resumable[bool] = False
     """assert that accelerate runs DeepSpeed (ZeRO-2 for the policy) and give it our batch sizes"""
     offload: Resumable[bool] = False
@@ -457,7 +462,7 @@ def main(args: Args) -> None:
     compiled_step = compiled_step_for(unwrapped, args.compile_decode, accelerator.device, accelerator.native_amp,
                                       run.print, keep_caches=not args.free_decode_cache)
     validation = ValidationQueries(dataset["validation"], QUERY_COLUMNS, args, accelerator)
-    stale = StalePolicy(unwrapped, args.async_steps)  # (--async_steps: the weights that sample)
+    stale = StalePolicy(unwrapped, args.async_steps, args.async_worker, args.async_worker_threads)
     checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [stale])
     run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}")
     device = accelerator.device
@@ -467,11 +472,12 @@ def main(args: Args) -> None:
 
     # Dropout is off in every model; the mode only switches gradient checkpointing: eval for the
     # rollouts, train for the step.
-    iter_loader = iter(train_loader)
+    batches = with_next(iter(train_loader))
+    rollout_chunks = RolloutChunks(temperature, args.seed, rank * local_queries, fwd_batch, samples=2)
     start = time.time()
     for update in run.progress(range(start_update + 1, args.num_updates + 1), args.num_updates - start_update,
                                "online_dpo", ("online_dpo/loss", "objective/scores")):
-        data = next(iter_loader)
+        data, next_data = next(batches)
         timer = PhaseTimer(device)  # time/ and throughput/ metrics: seconds of this update by phase (rank 0's)
         # linear annealing from lr (first update) to lr / num_updates (last update), as PPO
         lr_now = (1.0 - (update - 1.0) / args.num_updates) * args.lr
@@ -486,15 +492,12 @@ def main(args: Args) -> None:
         # each sample's noise depends on its chunk's position in the global batch and the sample
         # index only, so a query's two samples come from the same rank on any process count
         validation_groups = validation.groups(validation_batch, update, fwd_batch)
-        rollout_groups = [
-            SamplingGroup(queries[i: i + fwd_batch], temperature,
-                          derived_seed(args.seed, 0, update, rank * local_queries + i, sample))
-            for i in range(0, local_queries, fwd_batch) for sample in (0, 1)]
+        rollout_groups = rollout_chunks.groups(data, update)
         stale.start_update()
         with timer("generation"), accelerator.autocast():
             validation_generated, rollout_generated = decode_update(
                 unwrapped, stale, validation_groups, rollout_groups, pad_id, vocab_end, args.response_length,
-                args.local_generation_batch_size, compiled_step)
+                args.local_generation_batch_size, compiled_step, rollout_chunks.groups(next_data, update + 1))
 
         with timer("validation"):  # the current policy's score on the held-out queries
             validation_metrics = validate(run, reward_model, tokenizer, validation_batch, validation_generated, logger,

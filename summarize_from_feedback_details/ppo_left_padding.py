@@ -65,8 +65,8 @@ from summarize_from_feedback_details.infra.loading import (describe_frozen, enab
                                                            load_tokenizer, prepare_frozen)
 from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
 from summarize_from_feedback_details.infra.tracking import PhaseTimer, explained_variance
-from summarize_from_feedback_details.rollout import (SamplingGroup, StalePolicy, compiled_step_for, decode_update,
-                                                     derived_seed, staleness_metrics)
+from summarize_from_feedback_details.rollout import (RolloutChunks, StalePolicy, compiled_step_for, decode_update,
+                                                     derived_seed, staleness_metrics, with_next)
 
 
 @dataclass
@@ -195,6 +195,11 @@ class MethodArgs:
     """with the compiled decode: free its static KV cache after each rollout, before the PPO epochs
     (the first rollout prints its size: 5.0 GiB at Pythia-1B for 72 rows of 565 positions in bf16), at the
     cost of recording the CUDA graphs again every update"""
+    async_worker: Resumable[Optional[str]] = None
+    """--async_steps >= 1 overlapped: a worker process on this device (cpu, cuda:1) samples update t + 1's rollouts
+    during update t (the same tokens as sampling in this process, the default, at one thread each: docs/async.md)"""
+    async_worker_threads: Resumable[int] = 1
+    """the CPU threads of --async_worker cpu"""
     deepspeed: Resumable[bool] = False
     """assert that accelerate runs DeepSpeed (ZeRO-2 for policy + critic) and give it our batch sizes"""
     offload: Resumable[bool] = False
@@ -644,7 +649,7 @@ def main(args: Args) -> None:
                                       run.print, keep_caches=not args.free_decode_cache)
     validation = ValidationQueries(dataset["validation"], QUERY_COLUMNS, args, accelerator)
     kl_ctl = AdaptiveKLController(args.ppo.kl_coef, args.ppo.target, args.ppo.horizon)
-    stale = StalePolicy(unwrapped.policy, args.async_steps)  # (--async_steps: the weights that sample)
+    stale = StalePolicy(unwrapped.policy, args.async_steps, args.async_worker, args.async_worker_threads)
     checkpoints, logger = run.checkpoints_and_logger(model, optimizer, [kl_ctl, stale])
     run.print(f"reference policy: {describe_frozen(ref_policy)}; reward model: {describe_frozen(reward_model)}")
     # whitening statistics over the global batch (sums reduced over processes) unless per rank
@@ -655,11 +660,12 @@ def main(args: Args) -> None:
 
     # Dropout is off in all four models; the mode only switches gradient checkpointing, which in
     # train mode would also switch off generation's KV cache: eval for rollouts, train for the epochs.
-    iter_loader = iter(train_loader)
+    batches = with_next(iter(train_loader))
+    rollout_chunks = RolloutChunks(temperature, args.seed, rank * args.local_batch_size, fwd_batch)
     start = time.time()
     for update in run.progress(range(start_update + 1, args.num_updates + 1), args.num_updates - start_update, "ppo",
                                ("objective/scores", "objective/kl")):
-        data = next(iter_loader)
+        data, next_data = next(batches)
         timer = PhaseTimer(device)  # time/ and throughput/ metrics: seconds of this update by phase (rank 0's)
         policy_lr, critic_lr = learning_rates(update, args.num_updates, args.lr, args.ppo)
         for group, group_lr in zip(optimizer.param_groups, (policy_lr, critic_lr)):
@@ -670,17 +676,13 @@ def main(args: Args) -> None:
         queries = data["query_token"]
 
         # ---- generation: the validation and rollout chunks in batched decodes ------------------
-        # each chunk's sampling noise depends on its position in the global batch only
         validation_groups = validation.groups(validation_batch, update, fwd_batch)
-        rollout_groups = [
-            SamplingGroup(queries[i: i + fwd_batch], temperature,
-                          derived_seed(args.seed, 0, update, rank * args.local_batch_size + i))
-            for i in range(0, args.local_batch_size, fwd_batch)]
+        rollout_groups = rollout_chunks.groups(data, update)
         stale.start_update()
         with timer("generation"), accelerator.autocast():
             validation_generated, rollout_generated = decode_update(
                 unwrapped.policy, stale, validation_groups, rollout_groups, pad_id, vocab_end, args.response_length,
-                args.local_generation_batch_size, compiled_step)
+                args.local_generation_batch_size, compiled_step, rollout_chunks.groups(next_data, update + 1))
 
         with timer("validation"):  # the current policy's score on the held-out queries
             validation_metrics = validate(run, reward_model, tokenizer, validation_batch, validation_generated, logger,

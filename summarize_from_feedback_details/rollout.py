@@ -12,9 +12,14 @@ the engine changes no sample.
 """
 
 import contextlib
+import copy
 import functools
+import queue
+import time
 import warnings
+import weakref
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,6 +47,40 @@ def derived_seed(*numbers: int) -> int:
     for n in numbers:
         seed = (seed * 1_000_003 + int(n)) % (2 ** 61 - 1)
     return seed
+
+
+@dataclass
+class RolloutChunks:
+    """An update's rollout queries as sampling groups: chunks of `chunk` queries, each sampled `samples`
+    times (RLOO's k, online DPO's pair; None: once, PPO), sample j of the chunk at global row r (this
+    process's rows start at `first_row`) from a seed of (seed, 0, update, r[, j]): the noise depends on
+    the place in the global batch only, so any process count samples the same."""
+    temperature: float
+    seed: int
+    first_row: int
+    chunk: int
+    samples: Optional[int] = None
+
+    def groups(self, batch: Optional[dict], update: int) -> list:
+        """The groups of `batch["query_token"]`, chunk-major, sample-minor; none for no batch (the update
+        after the last, which `with_next` pairs with the last)."""
+        if batch is None:
+            return []
+        queries = batch["query_token"]
+        return [SamplingGroup(queries[i: i + self.chunk], self.temperature,
+                              derived_seed(self.seed, 0, update, self.first_row + i, *([] if self.samples is None
+                                                                                       else [sample])))
+                for i in range(0, len(queries), self.chunk) for sample in range(self.samples or 1)]
+
+
+def with_next(batches: Iterator) -> Iterator[tuple]:
+    """(batch, the next batch or None): the overlapped sampler (`--async_worker`) takes the next update's
+    queries one update early; the batches and their order are those of `batches`."""
+    current = next(batches, None)
+    while current is not None:
+        following = next(batches, None)
+        yield current, following
+        current = following
 
 
 def left_pad_batch(queries: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
@@ -254,13 +293,18 @@ class StalePolicy:
     the last N + 1 updates (on the CPU, oldest first; a LoRA run's adapters only) and lends the oldest
     to the policy itself for the decode (`weights`), so the decode runs the policy's own modules (and
     compiled step) and the policy gets its own weights back bit for bit. N = 0 holds nothing and
-    changes nothing: the synchronous loop. What it holds is part of the checkpoint (`state_dict`)."""
+    changes nothing: the synchronous loop. What it holds is part of the checkpoint (`state_dict`).
+    With `worker_device`, a `SamplerWorker` samples the rollouts beside the learner (overlapped mode)."""
 
-    def __init__(self, policy, async_steps: int):
+    def __init__(self, policy, async_steps: int, worker_device: Optional[str] = None, worker_threads: int = 1):
         if async_steps < 0:
             raise ValueError(f"--async_steps {async_steps}: the rollouts' age in updates cannot be negative")
+        if worker_device is not None and not async_steps:
+            raise ValueError(f"--async_worker {worker_device} needs --async_steps >= 1: at 0 the rollouts of an update "
+                             "are sampled by its own policy, which exists only once the previous update has trained")
         self.policy, self.async_steps = policy, async_steps
         self.snapshots = deque()
+        self.worker = SamplerWorker(policy, worker_device, worker_threads) if worker_device is not None else None
 
     def trained(self) -> dict:
         return {name: p for name, p in self.policy.named_parameters() if p.requires_grad}
@@ -275,6 +319,10 @@ class StalePolicy:
     def staleness(self) -> int:
         """How many updates old the sampler's weights are (< N in the first N updates)."""
         return len(self.snapshots) - 1 if self.async_steps else 0
+
+    def next_weights(self) -> dict:
+        """During update t, the weights that sample update t + 1's rollouts: those of update max(1, t + 1 - N)."""
+        return self.snapshots[max(0, len(self.snapshots) - self.async_steps)]
 
     @contextlib.contextmanager
     @torch.no_grad()
@@ -300,20 +348,111 @@ class StalePolicy:
         self.async_steps, self.snapshots = state["async_steps"], deque(state["snapshots"])
 
 
+class SamplerWorker:
+    """The overlapped mode of `--async_steps` (`--async_worker DEVICE`): a process of its own
+    (torch.multiprocessing, spawned) holding a copy of the policy on DEVICE (on a CPU, `threads` threads:
+    cores of its own), which samples update t + 1's rollouts while the learner trains update t. Each job
+    carries the weights that sample it (CPU tensors, passed in shared memory), the sampling groups and
+    the decode options: the worker runs `decode_in_batches` on what the learner would decode, so it
+    samples the same tokens wherever the two run the same arithmetic (one thread each on a CPU)."""
+
+    def __init__(self, policy, device: str, threads: int):
+        context = torch.multiprocessing.get_context("spawn")
+        self.jobs, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=serve_samples, daemon=True, args=(
+            copy.deepcopy(policy).to("cpu"), device, threads, self.jobs, self.results))
+        self.process.start()
+        weakref.finalize(self, stop_worker, self.jobs, self.process)
+        self.pending = None  # (seeds, device) of the submitted job
+        self.seconds = self.waited = None  # the last job's decode seconds, and how long the learner waited for it
+
+    def submit(self, weights: dict, groups: Sequence, options: dict, compile_decode: bool) -> None:
+        """A job: `groups` sampled with `weights`, `decode_in_batches`' `options`, the learner's autocast
+        and (where it serves on the worker's device) a compiled decode step if the learner has one."""
+        device = groups[0].queries.device
+        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        self.jobs.put((weights, [SamplingGroup(g.queries.to("cpu", copy=True), g.temperature, g.seed) for g in groups],
+                       options, autocast, compile_decode))
+        self.pending = [g.seed for g in groups], device
+
+    def take(self, groups: Sequence) -> Optional[list]:
+        """The submitted job's samples on the learner's device (None when none is pending); the job must
+        be `groups`' (the seeds say which update and chunk a group is)."""
+        self.seconds = self.waited = None
+        if self.pending is None:
+            return None
+        (seeds, device), self.pending = self.pending, None
+        if seeds != [g.seed for g in groups]:
+            raise RuntimeError("the sampler worker was given other rollout groups than the update trains on")
+        start = time.perf_counter()
+        while True:
+            try:
+                answer = self.results.get(timeout=5)
+                break
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the sampler worker died (exit code {self.process.exitcode})") from None
+        self.waited = time.perf_counter() - start
+        if isinstance(answer, BaseException):
+            raise RuntimeError("the sampler worker failed") from answer
+        samples, self.seconds = answer
+        return [(response.to(device), logprob.to(device)) for response, logprob in samples]
+
+
+def serve_samples(policy, device: str, threads: int, jobs, results) -> None:
+    """The sampler worker's loop: a job (`SamplerWorker.submit`'s) in, (samples, decode seconds) or the
+    exception out; None ends it."""
+    torch.set_num_threads(threads)
+    policy, device = policy.to(device).eval(), torch.device(device)
+    parameters, compiled_steps = dict(policy.named_parameters()), {}
+    while (job := jobs.get()) is not None:
+        weights, groups, options, autocast, compile_decode = job
+        try:
+            start = time.perf_counter()
+            with torch.no_grad():
+                for name, value in weights.items():
+                    parameters[name].copy_(value)
+            if autocast not in compiled_steps:  # (the learner's decode path, built at the first job)
+                compiled_steps[autocast] = compiled_step_for(policy, compile_decode, device, autocast is not None,
+                                                             report=lambda _: None)
+            with torch.autocast(device.type, autocast or torch.float32, enabled=autocast is not None):
+                groups = [SamplingGroup(g.queries.to(device), g.temperature, g.seed) for g in groups]
+                samples = decode_in_batches(policy, groups, **options, compiled_step=compiled_steps[autocast])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            results.put(([(r.cpu(), lp.cpu()) for r, lp in samples], time.perf_counter() - start))
+        except Exception as error:
+            results.put(error)
+
+
+def stop_worker(jobs, process) -> None:
+    if process.is_alive():
+        jobs.put(None)
+        process.join(timeout=30)
+    if process.is_alive():
+        process.kill()
+
+
 def decode_update(policy, stale: StalePolicy, validation_groups: list, rollout_groups: list, pad_id: int,
                   vocab_end: int, response_length: int, batch_size: int,
-                  compiled_step: Optional[CompiledStep] = None) -> tuple:
+                  compiled_step: Optional[CompiledStep] = None, next_rollout_groups: Sequence = ()) -> tuple:
     """An update's decodes: (the validation groups' samples, the rollout groups'). The validation
     queries are always sampled by the learner's policy (its score now); the rollouts by `stale`'s
-    weights. Synchronously (N = 0) both go through one `decode_in_batches`, as they always did."""
-    decode_groups = functools.partial(decode_in_batches, pad_id=pad_id, vocab_end=vocab_end,
-                                      response_length=response_length, batch_size=batch_size,
-                                      compiled_step=compiled_step)
-    if not stale.staleness():
+    weights. Synchronously (N = 0) both go through one `decode_in_batches`, as they always did.
+    With `stale`'s worker (overlapped), the rollouts are those the worker sampled while the previous
+    update trained (decoded here when none is pending: the first update, a resumed run's first), and
+    `next_rollout_groups`, the next update's, go to the worker before the validation decode."""
+    options = dict(pad_id=pad_id, vocab_end=vocab_end, response_length=response_length, batch_size=batch_size)
+    decode_groups = functools.partial(decode_in_batches, **options, compiled_step=compiled_step)
+    rollouts = stale.worker.take(rollout_groups) if stale.worker is not None else None
+    if stale.worker is not None and next_rollout_groups:
+        stale.worker.submit(stale.next_weights(), next_rollout_groups, options, compiled_step is not None)
+    if rollouts is None and not stale.staleness():
         generated = decode_groups(policy, validation_groups + rollout_groups)
         return generated[:len(validation_groups)], generated[len(validation_groups):]
-    with stale.weights() as sampler:
-        rollouts = decode_groups(sampler, rollout_groups)
+    if rollouts is None:
+        with stale.weights() as sampler:
+            rollouts = decode_groups(sampler, rollout_groups)
     return decode_groups(policy, validation_groups), rollouts
 
 
@@ -322,10 +461,16 @@ def staleness_metrics(stale: StalePolicy, log_ratios: torch.Tensor, mask: Option
     """async/ metrics of an asynchronous run (none in a synchronous one): how many updates old the
     rollouts' sampler was, and the importance ratio learner / sampler that a stale sample carries, of
     each sampled `unit` (token or sequence; `mask`: the real ones, all if None): its mean, spread and
-    extremes."""
+    extremes. Overlapped, where the worker sampled this update's rollouts: its decode seconds, how long
+    the learner waited for them and the fraction of the decode hidden behind the learner's work."""
     if not stale.async_steps:
         return {}
     ratios = (log_ratios if mask is None else log_ratios[mask]).double().exp()
-    return {"async/staleness": stale.staleness(), f"async/{unit}_ratio_mean": ratios.mean().item(),
-            f"async/{unit}_ratio_std": ratios.std().item() if len(ratios) > 1 else 0.0,
-            f"async/{unit}_ratio_min": ratios.min().item(), f"async/{unit}_ratio_max": ratios.max().item()}
+    metrics = {"async/staleness": stale.staleness(), f"async/{unit}_ratio_mean": ratios.mean().item(),
+               f"async/{unit}_ratio_std": ratios.std().item() if len(ratios) > 1 else 0.0,
+               f"async/{unit}_ratio_min": ratios.min().item(), f"async/{unit}_ratio_max": ratios.max().item()}
+    worker = stale.worker
+    if worker is not None and worker.seconds is not None:  # (rollouts the worker sampled behind the last update)
+        metrics |= {"async/worker_generation_seconds": worker.seconds, "async/worker_wait_seconds": worker.waited,
+                    "async/worker_hidden_fraction": max(0.0, 1 - worker.waited / worker.seconds)}
+    return metrics

@@ -137,9 +137,9 @@ def pytest_collection_modifyitems(items):
 
 
 def is_wall_clock(key: str) -> bool:
-    """A metric the wall clock decides (episodes per second, time/ phases, throughput/): it differs
-    between runs that are otherwise equal."""
-    return key.endswith("/eps") or key.startswith(("time/", "throughput/"))
+    """A metric the wall clock decides (episodes per second, time/ phases, throughput/, the overlapped
+    sampler's seconds): it differs between runs that are otherwise equal."""
+    return key.endswith("/eps") or key.startswith(("time/", "throughput/", "async/worker_"))
 
 
 def without_rates(metrics: list) -> list:

@@ -59,6 +59,8 @@ def test_stale_policy_lends_the_weights_of_update_t_minus_n(async_steps):
                 assert torch.equal(policy.frozen.weight, frozen)
             for key, value in policy.state_dict().items():
                 assert torch.equal(value, own[key]), key
+            if async_steps:  # (what the overlapped worker samples update t + 1 with)
+                assert torch.all(sampler.next_weights()["trained.weight"] == max(1, update + 1 - async_steps))
         if update == 3:
             restored = rollout.StalePolicy(policy, async_steps)
             restored.load_state_dict(stale.state_dict())
@@ -66,6 +68,25 @@ def test_stale_policy_lends_the_weights_of_update_t_minus_n(async_steps):
     assert all(set(s) == {"trained.weight", "trained.bias"} for s in stale.snapshots)
     with pytest.raises(ValueError, match="--async_steps -1"):
         rollout.StalePolicy(policy, -1)
+
+
+def test_rollout_chunks_and_the_batches_ahead_known_answer():
+    """Chunks of 2 of a process's 4 queries (its rows start at 8 of the global batch), sampled k times
+    chunk-major: sample j of the chunk at global row r from the seed of (seed, 0, update, r, j); once
+    (PPO), from (seed, 0, update, r). with_next pairs each batch with the next one, the last with None."""
+    queries = torch.arange(12).view(4, 3)
+    groups = rollout.RolloutChunks(0.7, 5, 8, 2, samples=2).groups({"query_token": queries}, 3)
+    assert [g.seed for g in groups] == [rollout.derived_seed(5, 0, 3, row, j) for row in (8, 10) for j in (0, 1)]
+    assert all(torch.equal(g.queries, queries[i: i + 2]) for g, i in zip(groups, (0, 0, 2, 2)))
+    assert {g.temperature for g in groups} == {0.7}
+    once = rollout.RolloutChunks(0.7, 5, 8, 2)
+    assert [g.seed for g in once.groups({"query_token": queries}, 3)] == [rollout.derived_seed(5, 0, 3, row)
+                                                                         for row in (8, 10)]
+    assert once.groups(None, 4) == []
+    assert list(rollout.with_next(iter("abc"))) == [("a", "b"), ("b", "c"), ("c", None)]
+    assert list(rollout.with_next(iter(""))) == []
+    with pytest.raises(ValueError, match="--async_worker cpu needs --async_steps >= 1"):
+        rollout.StalePolicy(TwoLayers(), 0, "cpu")
 
 
 def test_staleness_metrics_known_answer():
@@ -162,6 +183,17 @@ def test_ppo_rollouts_are_sampled_by_the_policy_of_update_t_minus_n(tiny_dataset
     # the samples differ from the synchronous run's from update 2 on (not the same run twice)
     assert runs[0][1][1]["objective/scores"] != metrics[1]["objective/scores"]
 
+    # overlapped: a worker process (one thread, as this one) samples update t + 1's rollouts during update t; the
+    # same tokens, so the same run to the bit, and it says how much of its decode the learner did not wait for
+    args = tiny_args(tiny_datasets, checkpoints, workdir, "overlapped", async_steps=2, async_worker="cpu", **COMMON)
+    overlapped = run_ppo(args, workdir)
+    worker_keys = {"async/worker_generation_seconds", "async/worker_wait_seconds", "async/worker_hidden_fraction"}
+    assert not worker_keys & set(overlapped[0]) and all(worker_keys <= set(m) for m in overlapped[1:4])
+    assert all(0 <= m["async/worker_hidden_fraction"] <= 1 for m in overlapped[1:4])
+    assert without_rates(overlapped[:4]) == without_rates(metrics)
+    assert_same_params(load_file(os.path.join(workdir, "async2", "model.safetensors")),
+                       load_file(os.path.join(workdir, "overlapped", "model.safetensors")), rtol=0, atol=0)
+
 
 def test_ppo_async_resume_equals_the_uninterrupted_run(tiny_datasets, checkpoints, tmp_path, monkeypatch):
     """N = 1, 4 updates of 8 (16 policy losses an update). SIGUSR1 in update 2: the checkpoint
@@ -209,18 +241,23 @@ def test_online_dpo_pairs_are_sampled_by_the_policy_of_update_t_minus_n(tiny_dat
 
 def test_online_dpo_async_resume_equals_the_uninterrupted_run(tiny_datasets, checkpoints, tmp_path, monkeypatch):
     """N = 1, 4 updates of 4 micro-batches: SIGUSR1 in update 2, then --resume: the uninterrupted
-    run's weights and metrics, bit for bit."""
+    run's weights and metrics, bit for bit. The stopped and resumed run samples in a worker process
+    (--async_worker cpu, overlapped: its pending samples are dropped at the stop and the resumed run's
+    first update samples in the learner), the uninterrupted one in the learner: the same tokens."""
     workdir = str(tmp_path)
     whole = test_online_dpo.run_online_dpo(online_dpo_args(tiny_datasets, checkpoints, workdir, "whole",
                                                            async_steps=1), workdir)
+    overlapped = dict(async_steps=1, async_worker="cpu")
     with monkeypatch.context() as patch:
         signal_on_call(patch, online_dpo, "dpo_losses", 4 + 2)
         with pytest.raises(SystemExit) as stopped:
             test_online_dpo.run_online_dpo(online_dpo_args(tiny_datasets, checkpoints, workdir, "stopped",
-                                                           async_steps=1), workdir)
+                                                           **overlapped), workdir)
     assert stopped.value.code == CHECKPOINT_EXIT_CODE
     resumed = test_online_dpo.run_online_dpo(online_dpo_args(tiny_datasets, checkpoints, workdir, "stopped",
-                                                             async_steps=1, resume=True), workdir)
+                                                             **overlapped, resume=True), workdir)
+    sampled_by_worker = {m["step"]: "async/worker_hidden_fraction" in m for m in resumed if "async/staleness" in m}
+    assert sampled_by_worker == {1: False, 2: True, 3: False, 4: True}
     assert [m["async/staleness"] for m in whole[:4]] == [0, 1, 1, 1]
     assert without_rates(resumed) == without_rates(whole)
     assert_same_params(test_online_dpo.saved(workdir, "whole"), test_online_dpo.saved(workdir, "stopped"),

@@ -30,7 +30,8 @@ SPEED_COLUMNS = {"shape", "params", "strategy", "processes", "micro_batch", "bat
                  "device", "precision", "threads", "updates_measured", "s_per_update", "s_per_update_min",
                  "s_per_update_max", "tokens_per_s", "generated_tokens_per_s", "tflop_per_update", "achieved_tflops",
                  "peak_tflops", "utilisation", "other_s", "decode_ms_per_step", "floor_ms_per_step", "bandwidth_gb_s",
-                 "variant", "forwards", "trainable_params", "peak_memory_gib", "epoch_utilisation", "status"}
+                 "variant", "forwards", "sampler", "async_steps", "trainable_params", "peak_memory_gib",
+                 "epoch_utilisation", "status"}
 # the per-update phases ppo_left_padding.py logs under time/
 STAGE_PHASES = {"validation", "generation", "reference_forward", "value_forward", "reward_forward", "ppo_epochs"}
 TRL_PHASES = {"generation", "reference_forward", "value_forward", "reward_forward"}
@@ -199,6 +200,21 @@ Root Cause (first observed failure):
   traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
 ============================================================
 """
+
+
+def test_samplers_set_the_stages_async_flags_and_share_the_cores():
+    """sync: today's loop; sequential: --async_steps only; overlapped: a CPU worker whose threads come out of
+    the setting's (4 threads: the learner 3, the worker 1), one process only."""
+    args = ppo_speed.Args(shapes=["tiny-s"], samplers=["sync", "sequential", "overlapped"], async_steps=2, threads=4,
+                          micro_batch_sizes=[4], batch_size=4)
+    settings = ppo_speed.speed_settings(args, "cpu")
+    assert [(s.sampler, s.threads) for s in settings] == [("sync", 4), ("sequential", 4), ("overlapped", 3)]
+    stages = [ppo_speed.stage_args(args, s, "sft", "rm", "data", s.sampler) for s in settings]
+    assert [(st.async_steps, st.async_worker, st.async_worker_threads) for st in stages] == [
+        (0, None, 1), (2, None, 1), (2, "cpu", 1)]
+    assert all(ppo_speed.check_setting(args, s) is None for s in settings)
+    launched_overlap = ppo_speed.Setting("tiny-s", "ddp", 2, 2, 1, sampler="overlapped")
+    assert ppo_speed.check_setting(args, launched_overlap) == "the overlapped sampler is measured on one process"
 
 
 def test_launched_failure_names_the_ranks_error():
