@@ -22,7 +22,12 @@ the next one runs):
    53): the same sampled tokens scored at batch 1 and 16 in fp32, bf16 and fp16, against fp32 at
    batch 1: how far the batch shape and the dtype move PPO's ratio before any update;
 5. `dpo_memory`: benchmarks/dpo_memory.py at the same shape: dpo.py's peak memory for one sbatch
-   micro-batch (8 pairs x 512 + 53, bf16) with all logits (before issue 27), response logits, packed.
+   micro-batch (8 pairs x 512 + 53, bf16) with all logits (before issue 27), response logits, packed;
+6. `async`: ppo_speed.py at the same shape and batch, one process, `--samplers sync sequential
+   overlapped` (docs/async.md): seconds per update with the rollouts sampled in the learner's process
+   (today's loop; one update old) or by a worker process while the learner trains (one update old, on
+   a second GPU where there is one, else beside the learner on its GPU), and how much of the worker's
+   decode the learner did not wait for.
 Steps 2 and 3 run each setting with the padded, packed and packed + compiled forwards.
 Output: <out>/report.md (the GPU, the versions, each step's status, time and numbers), the CSVs of
 steps 2 and 3, and the logs. Without CUDA it says so and exits 1, running nothing.
@@ -83,6 +88,9 @@ def steps(args: Args) -> list:
                                "--out", os.path.join(out, "speed")], "seconds per update at tiny-s (smoke)"),
                 Step("trl", [python, speed, "--mode", "trl", *shape, "--rounds", "1", "--out",
                              os.path.join(out, "trl")], "ours vs TRL at tiny-s (smoke)"),
+                Step("async", [python, speed, *shape, "--strategies", "single", "--micro_batch_sizes", "4",
+                               "--samplers", "overlapped", "--out", os.path.join(out, "async")],
+                     "the overlapped sampler at tiny-s (smoke)"),
                 Step("drift", [python, drift, "--model", "tiny-s", "--rows", "4", "--query_length", "16",
                                "--response_length", "8", "--out", os.path.join(out, "drift")],
                      "log-prob drift at tiny-s (smoke)"),
@@ -99,6 +107,11 @@ def steps(args: Args) -> list:
             Step("trl", [python, speed, "--mode", "trl", *paper, "--rounds", "2", "--forwards", "padded", "packed",
                          "compiled", "--out", os.path.join(out, "trl")],
                  f"ours vs TRL 1.12 at {args.shape}, the same settings"),
+            Step("async", [python, speed, *paper, "--strategies", "single", "--micro_batch_sizes", "16", "--samplers",
+                           "sync", "sequential", "overlapped", "--out", os.path.join(out, "async")],
+                 f"asynchronous RLHF at {args.shape} (--async_steps 1): rollouts sampled in the learner's process "
+                 f"(sync, sequential) or by a worker process beside it (overlapped: on a GPU of its own where there "
+                 f"are two, else on the learner's)"),
             Step("drift", [python, drift, "--model", args.shape, "--out", os.path.join(out, "drift")],
                  f"log-prob drift at {args.shape}: batch 1 vs 16, fp32 / bf16 / fp16"),
             Step("dpo_memory", [python, dpo_memory, "--shape", args.shape, "--out", os.path.join(out, "dpo_memory")],
@@ -129,6 +142,9 @@ def markdown_table(path: str, columns: list) -> str:
 SPEED_COLUMNS = ["shape", "strategy", "forwards", "processes", "micro_batch", "precision", "s_per_update",
                  "time/generation", "time/ppo_epochs", "tokens_per_s", "utilisation", "epoch_utilisation", "decode_ms_per_step", "floor_ms_per_step",
                  "peak_memory_gib", "status"]
+ASYNC_COLUMNS = ["shape", "sampler", "async_steps", "s_per_update", "s_per_update_min", "s_per_update_max",
+                 "time/generation", "time/ppo_epochs", "worker_generation_seconds", "worker_wait_seconds",
+                 "worker_hidden_fraction", "peak_memory_gib", "status"]
 TRL_COLUMNS = ["shape", "forwards", "round", "update", "padding_share", "ours_s", "trl_s", "ratio_trl_over_ours"]
 DPO_MEMORY_COLUMNS = ["shape", "device", "pairs", "setting", "peak_gib", "seconds"]
 DRIFT_COLUMNS = ["dtype", "batch", "tokens", "share_outside_0.9_1.1", "max_abs_log_ratio", "mean_abs_log_ratio"]
@@ -146,6 +162,7 @@ def section(step: Step, result: dict, out: str) -> str:
         return head + "```\n" + "\n".join(lines) + "\n```\n"
     tables = {"speed": (os.path.join(out, "speed", "ppo_speed.csv"), SPEED_COLUMNS),
               "trl": (os.path.join(out, "trl", "trl_side_by_side.csv"), TRL_COLUMNS),
+              "async": (os.path.join(out, "async", "ppo_speed.csv"), ASYNC_COLUMNS),
               "drift": (os.path.join(out, "drift", "logprob_drift.csv"), DRIFT_COLUMNS),
               "dpo_memory": (os.path.join(out, "dpo_memory", "dpo_memory.csv"), DPO_MEMORY_COLUMNS)}
     return head + markdown_table(*tables[step.name]) + "\n"

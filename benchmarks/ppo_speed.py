@@ -161,7 +161,8 @@ class Args:
     samplers: list[Literal["sync", "sequential", "overlapped"]] = field(default_factory=lambda: ["sync"])
     """who samples the rollouts (speed mode): sync (today's loop, --async_steps 0), sequential (--async_steps
     ASYNC_STEPS, sampled in the learner's process before it trains) or overlapped (the same rollouts sampled by
-    a worker process while the learner trains: --async_worker, on the learner's device; one process only)"""
+    a worker process while the learner trains: --async_worker: on a CPU the learner's, on GPUs the second where
+    there are two; one process only)"""
     async_steps: int = 1
     """the rollouts' age in updates of the sequential and overlapped samplers"""
     worker_threads: int = 1
@@ -485,7 +486,9 @@ def stage_args(args: Args, setting: Setting, sft_path: str, rm_path: str, datase
     if setting.sampler != "sync":
         stage.async_steps = args.async_steps
     if setting.sampler == "overlapped":
-        stage.async_worker = "cuda" if torch.cuda.is_available() else "cpu"
+        # (a GPU of its own where there are two: generation beside training, the asynchronous RLHF paper's setup)
+        stage.async_worker = "cpu" if not torch.cuda.is_available() else "cuda:1" if torch.cuda.device_count() > 1 \
+            else "cuda:0"
         stage.async_worker_threads = args.worker_threads
     return stage
 

@@ -29,14 +29,16 @@ def test_without_cuda_it_says_so_and_runs_nothing(tmp_path):
 def test_the_gpu_plan_is_the_papers_per_gpu_share():
     """On a GPU: make test-gpu, then ppo_speed at Pythia-1B with 64 queries x 512 + 53 tokens (one GPU's
     share of the paper's 512), one process and ZeRO-2, then ours vs TRL (each with the padded, packed
-    and compiled forwards), then the log-prob drift, then DPO's micro-batch memory."""
+    and compiled forwards), then the three samplers of asynchronous RLHF, then the log-prob drift, then
+    DPO's micro-batch memory."""
     plan = {step.name: step.command for step in gpu_report.steps(gpu_report.Args(out="r"))}
-    assert list(plan) == ["test_gpu", "speed", "trl", "drift", "dpo_memory"]
+    assert list(plan) == ["test_gpu", "speed", "trl", "async", "drift", "dpo_memory"]
     assert plan["test_gpu"][1:7] == ["-m", "pytest", "-q", "-s", "-rs", "-m"] and plan["test_gpu"][7] == "gpu"
-    for name in ("speed", "trl"):
+    for name in ("speed", "trl", "async"):
         command = " ".join(plan[name])
         assert "--shapes pythia-1b --query_length 512 --response_length 53 --batch_size 64" in command
     assert "--strategies single zero2" in " ".join(plan["speed"]) and "--mode trl" in " ".join(plan["trl"])
+    assert "--strategies single --micro_batch_sizes 16 --samplers sync sequential overlapped" in " ".join(plan["async"])
     assert all("--forwards padded packed compiled" in " ".join(plan[name]) for name in ("speed", "trl"))
     assert plan["dpo_memory"][1].endswith("benchmarks/dpo_memory.py") and plan["dpo_memory"][2:4] == ["--shape",
                                                                                                    "pythia-1b"]
@@ -48,7 +50,7 @@ def test_the_gpu_plan_is_the_papers_per_gpu_share():
 def test_smoke_report_on_the_cpu(tmp_path, monkeypatch):
     """Every step at tiny shapes, in two reports side by side (each step runs one thread: on the GPU they
     run one after another in one report)."""
-    groups = {"benchmarks": ("speed", "trl"), "checks": ("test_gpu", "drift", "dpo_memory")}
+    groups = {"benchmarks": ("speed", "trl", "async"), "checks": ("test_gpu", "drift", "dpo_memory")}
 
     def popen(command, stdout, stderr, cwd, start_new_session, env):  # the steps that are scripts, forked
         if forked_launches.launchable(command) and stderr == subprocess.STDOUT and start_new_session:
@@ -68,6 +70,7 @@ def test_smoke_report_on_the_cpu(tmp_path, monkeypatch):
             assert f"## {step}:" in reports[name] and (tmp_path / name / f"{step}.log").exists()
         assert reports[name].count("\nok in ") == len(chosen) and "FAILED" not in reports[name]
     assert "| tiny-s | single | packed | 1 | 4 | fp32 |" in reports["benchmarks"]
+    assert "| tiny-s | overlapped | 1 |" in reports["benchmarks"]  # (the worker's seconds and hidden share follow)
     assert "| tiny-s | cpu | 2 | padded, all logits | n/a |" in reports["checks"]  # (no GPU: seconds only)
     assert "1 passed" in reports["checks"]
     drift = reports["checks"][reports["checks"].index("## drift"):]
