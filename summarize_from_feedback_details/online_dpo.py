@@ -174,8 +174,7 @@ class MethodArgs:
     """with the compiled decode: free its static KV cache after each rollout, before the DPO step, at
     the cost of recording the CUDA graphs again every update"""
     async_worker: Resumable[Optional[str]] = None
-    """--async_steps >= 1 overlapped: a worker process on this device (cpu, cuda:1) samples update t + 1's rollouts
-    during update t (the same tokens as sampling in this process, the default, at one thread each: docs/async.md)"""
+    """with --async_steps >= 1: a worker process on this device (cpu, cuda:1) samples the next update's rollouts"""
     async_worker_threads: Resumable[int] = 1
     """the CPU threads of --async_worker cpu"""
     deepspeed: Resumable[bool] = False
@@ -470,8 +469,7 @@ def main(args: Args) -> None:
     pairs_per_micro = args.local_micro_batch_size // 2  # (a micro-batch holds both samples of its queries)
     ga, num_processes, rank = args.gradient_accumulation_steps, accelerator.num_processes, accelerator.process_index
 
-    # Dropout is off in every model; the mode only switches gradient checkpointing: eval for the
-    # rollouts, train for the step.
+    # dropout is off in every model; the mode switches gradient checkpointing: eval for rollouts, train for the step
     batches = with_next(iter(train_loader))
     rollout_chunks = RolloutChunks(temperature, args.seed, rank * local_queries, fwd_batch, samples=2)
     start = time.time()
@@ -489,8 +487,7 @@ def main(args: Args) -> None:
         queries = data["query_token"]
 
         # ---- generation: the validation chunks, then two samples of every rollout chunk --------
-        # each sample's noise depends on its chunk's position in the global batch and the sample
-        # index only, so a query's two samples come from the same rank on any process count
+        # (RolloutChunks: a query's two samples are seeded by its global row, on one rank at any process count)
         validation_groups = validation.groups(validation_batch, update, fwd_batch)
         rollout_groups = rollout_chunks.groups(data, update)
         stale.start_update()

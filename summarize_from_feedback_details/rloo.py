@@ -192,8 +192,7 @@ class MethodArgs:
     """with the compiled decode: free its static KV cache after each rollout, at the cost of recording the CUDA
     graphs again every update"""
     async_worker: Resumable[Optional[str]] = None
-    """--async_steps >= 1 overlapped: a worker process on this device (cpu, cuda:1) samples update t + 1's rollouts
-    during update t (the same tokens as sampling in this process, the default, at one thread each: docs/async.md)"""
+    """with --async_steps >= 1: a worker process on this device (cpu, cuda:1) samples the next update's rollouts"""
     async_worker_threads: Resumable[int] = 1
     """the CPU threads of --async_worker cpu"""
     deepspeed: Resumable[bool] = False
@@ -367,9 +366,8 @@ def response_logits(model, query_responses: torch.Tensor, pad_id: int, response_
 
 def learner_logprobs(policy, query_response: torch.Tensor, response: torch.Tensor, temperature: float, pad_id: int,
                      vocab_end: int) -> torch.Tensor:
-    """A stale rollout's log-probs under the learner's policy: the ratio and the KL penalty read them (as the
-    asynchronous RLHF paper's code does, mnoukhov/async_rlhf src/ppo_single_vllm_trainer.py: generate, then a
-    forward of the learner), so PPO's first ratio is 1 and the clip bounds the step from the learner's policy."""
+    """A stale rollout's log-probs under the learner's policy, which the ratio and the KL read (as mnoukhov/async_rlhf
+    src/ppo_single_vllm_trainer.py does): PPO's first ratio is 1, the clip bounds the step from the learner's."""
     logits = response_logits(policy, query_response, pad_id, response.shape[1])
     return gather_logprobs(scaled_logits(logits, temperature, pad_id, vocab_end), response)
 
@@ -634,8 +632,7 @@ def main(args: Args) -> None:
     temperature, fwd_batch, length = args.temperature, args.local_rollout_forward_batch_size, args.response_length
     ga, num_processes, rank = args.gradient_accumulation_steps, accelerator.num_processes, accelerator.process_index
 
-    # Dropout is off; the mode only switches gradient checkpointing (which in train mode would also
-    # switch off generation's KV cache): eval for rollouts, train for the epochs.
+    # dropout is off; eval for rollouts (train mode's gradient checkpointing drops the KV cache), train for epochs
     batches = with_next(iter(train_loader))
     rollout_chunks = RolloutChunks(temperature, args.seed, rank * local_queries, fwd_batch, samples=k)
     start = time.time()
