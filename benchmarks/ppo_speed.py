@@ -126,7 +126,7 @@ import tyro  # noqa: E402
 from datasets import Dataset, DatasetDict, load_from_disk  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-from tokenizers import Tokenizer, models  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,  # noqa: E402
                           GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification,
                           PreTrainedTokenizerFast)
@@ -296,9 +296,12 @@ def peak_memory_gib(device: str, baseline: int) -> float:
 
 def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A word-level tokenizer with exactly `vocab_size` ids, so no embedding gets resized and every
-    sampled id decodes: EOS 0, `[PAD]` 1 (a dedicated pad, as the stages require), then t2, t3, ..."""
+    sampled id decodes: EOS 0, `[PAD]` 1 (a dedicated pad, as the stages require), then t2, t3, ...; text
+    of those words separated by spaces reads back to the same ids (what a trainer that reads text needs:
+    grpo_vs_trl.py's TRL side)."""
     vocab = {"<|endoftext|>": EOS_ID, "[PAD]": PAD_ID, **{f"t{i}": i for i in range(2, vocab_size)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                                    unk_token="<|endoftext|>", pad_token="[PAD]", model_max_length=2048)
 
@@ -567,9 +570,9 @@ def end_of_update_times(times: list):
         Logger.log = original
 
 
-def run_ours_in_process(stage: ppo.Args, workdir: str, device: str, threads: int) -> list:
-    """ppo_left_padding.main(stage) in this process, from `workdir` (its runs/ folder lands there);
-    returns the wall times of the ends of its updates."""
+def run_ours_in_process(stage, workdir: str, device: str, threads: int, stage_main=ppo.main) -> list:
+    """`stage_main(stage)` (ppo_left_padding.main; grpo_vs_trl.py: rloo.main) in this process, from
+    `workdir` (its runs/ folder lands there); returns the wall times of the ends of its updates."""
     from accelerate.state import AcceleratorState, GradientState
 
     release_memory()
@@ -581,7 +584,7 @@ def run_ours_in_process(stage: ppo.Args, workdir: str, device: str, threads: int
     try:
         with environment(ACCELERATE_MIXED_PRECISION="bf16" if device == "cuda" else "no",
                          HF_HUB_OFFLINE="1"), end_of_update_times(times):
-            ppo.main(stage)
+            stage_main(stage)
     finally:
         os.chdir(cwd)
         torch.set_num_threads(saved_threads)
@@ -1045,11 +1048,12 @@ def print_speed_table(rows: list, console: Console) -> None:
     Console(width=max(console.width, 180)).print(table)
 
 
-def print_side_by_side_phases(rows: list, console: Console) -> None:
+def print_side_by_side_phases(rows: list, console: Console, title: Optional[str] = None) -> None:
     """Median seconds per phase of each side (TRL's `other`: its PPO epochs, GAE and logging; ours'
     `other`: logging and what its phases leave out)."""
-    table = Table(title=f"{rows[0]['shape']}, ours {rows[0]['forwards']} (padding {rows[0]['padding_share']:.0%} of "
-                        f"a padded forward's positions): median seconds per update and phase")
+    title = title or (f"{rows[0]['shape']}, ours {rows[0]['forwards']} (padding {rows[0]['padding_share']:.0%} of "
+                      "a padded forward's positions)")
+    table = Table(title=f"{title}: median seconds per update and phase")
     for column in ("phase", "ours", "TRL 1.12"):
         table.add_column(column, justify="left" if column == "phase" else "right")
     for phase in ordered_phases(k.split("_", 1)[1] for r in rows for k in r

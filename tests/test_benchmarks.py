@@ -180,6 +180,8 @@ def test_synthetic_queries_and_tokenizer():
     tokenizer = ppo_speed.synthetic_tokenizer(100)
     assert len(tokenizer) == 100 and tokenizer.eos_token_id == 0 and tokenizer.pad_token_id == 1
     assert tokenizer.decode([5, 99, 0]) == "t5 t99 <|endoftext|>"
+    # text reads back to its ids (grpo_vs_trl.py's TRL side reads the queries as text)
+    assert tokenizer("t5 t99  t7\tt3")["input_ids"] == [5, 99, 7, 3]
 
 
 # the shape of a launched run's stderr when a rank raises: its traceback, then the launcher's own
@@ -304,3 +306,108 @@ def test_epoch_profile_times_each_part_per_forwards_setting(tmp_path, capsys):
         assert all(parts[p] > 0 for p in epoch_profile.PARTS)
         assert parts["step"] == pytest.approx(sum(parts[p] for p in epoch_profile.PARTS))
     assert "policy forward" in capsys.readouterr().out
+
+
+def load_benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_grpo_prompts_read_back_to_the_queries_and_completions_append():
+    """TRL's side sees the queries as text: its tokenizer must give back each query's ids, and its
+    reward model's input (prompt + completion, concatenated as text) the query's then the response's."""
+    grpo_vs_trl = load_benchmark("grpo_vs_trl")
+    tokenizer = ppo_speed.synthetic_tokenizer(100)
+    queries = ppo_speed.left_padded_queries(20, 12, 100, np.random.default_rng(0))
+    texts = grpo_vs_trl.prompt_texts(queries)
+    for row, text in zip(queries, texts):
+        real = [t for t in row if t != ppo_speed.PAD_ID]
+        assert tokenizer(text)["input_ids"] == real
+        completion = tokenizer.decode([7, 42, 9])
+        assert tokenizer(text + completion)["input_ids"] == real + [7, 42, 9]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*checkpointing.*:FutureWarning")
+def test_grpo_against_trl_side_by_side(tmp_path, capsys):
+    """benchmarks/grpo_vs_trl.py at the tiniest shape: both sides run their real loops, one paired
+    update, every phase positive and inside the update, the ratio what the seconds give."""
+    grpo_vs_trl = load_benchmark("grpo_vs_trl")
+    args = grpo_vs_trl.Args(shapes=["tiny-s"], queries=4, k=4, micro_batch_size=8, query_length=16,
+                            response_length=8, eval_batch_size=1, updates=2, rounds=1, threads=1,
+                            out=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    try:
+        rows = grpo_vs_trl.main(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert rows == [{**rows[0], "shape": "tiny-s", "round": 1, "update": 2, "first": "ours", "k": 4, "queries": 4}]
+    written = read_csv(os.path.join(args.out, "grpo_vs_trl.csv"))
+    assert len(written) == 1 and float(written[0]["ratio_trl_over_ours"]) == pytest.approx(rows[0]["trl_s"] / rows[0]["ours_s"])
+    row = rows[0]
+    assert {"ours_generation", "ours_reference_forward", "ours_reward_forward", "ours_ppo_epochs", "trl_generation",
+            "trl_reference_forward", "trl_reward_forward"} <= set(row)
+    for side in ("ours", "trl"):
+        phases = [v for k, v in row.items() if k.startswith(f"{side}_") and k not in (f"{side}_s", f"{side}_other")]
+        assert all(v > 0 for v in phases) and sum(phases) <= row[f"{side}_s"] * (1 + 1e-9)
+        assert row[f"{side}_other"] == pytest.approx(row[f"{side}_s"] - sum(phases), abs=1e-9)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ratio TRL / ours"))
+    assert "(tiny-s, GRPO k=4): median" in line and "over 1 paired updates" in line
+    assert os.path.getsize(os.path.join(args.out, "grpo_vs_trl.png")) > 0
+
+
+def test_time_to_gold_known_answers():
+    time_to_gold = load_benchmark("async_time_to_gold")
+    rows = [{"update": t, "elapsed": 10.0 * t, "gold": g} for t, g in enumerate([1.0, 1.0, 4.0, 2.0, 3.0, 4.0], 1)]
+    assert time_to_gold.running_gold(rows) == pytest.approx([1.0, 1.0, 2.0, 7 / 3, 3.0, 3.0])
+    # G0 1, G* (2 + 3 + 4) / 3 = 3: 90% of the gain is 2.8
+    assert time_to_gold.gold_target(rows, 0.9) == pytest.approx(2.8)
+    assert time_to_gold.time_to(rows, 2.8) == (5, 50.0)
+    assert time_to_gold.time_to(rows, 3.5) is None
+    # the learner gives the worker its threads, never its last one
+    args = time_to_gold.Args(threads=2, worker_threads=1)
+    assert [time_to_gold.learner_threads(args, s) for s in time_to_gold.SAMPLERS] == [2, 2, 1]
+    assert time_to_gold.learner_threads(time_to_gold.Args(threads=1), "overlapped") == 1
+
+
+def test_time_to_gold_runs_hello_worlds_ppo():
+    """The three runs are hello_world's PPO stage: its batch, micro-batch, updates and flags."""
+    time_to_gold = load_benchmark("async_time_to_gold")
+    stage = time_to_gold.hello_world_ppo(time_to_gold.Args(async_steps=2), "r", "overlapped")
+    batch, micro, updates, flags = time_to_gold.tiny_default("TINY_PPO_BATCH", "TINY_PPO_MICRO_BATCH",
+                                                             "TINY_PPO_UPDATES", "TINY_PPO_FLAGS")
+    assert stage.total_episodes == int(updates) * int(batch) and stage.local_rollout_forward_batch_size == int(batch)
+    assert stage.local_micro_batch_size * stage.gradient_accumulation_steps == int(batch) == 4 * int(micro)
+    assert "--lr" in flags and stage.lr == float(flags.split()[flags.split().index("--lr") + 1])
+    assert (stage.async_steps, stage.async_worker) == (2, "cpu")
+    sync = time_to_gold.hello_world_ppo(time_to_gold.Args(async_steps=2), "r", "sync")
+    assert (sync.async_steps, sync.async_worker) == (0, None)
+
+
+@pytest.mark.slow
+def test_time_to_gold_end_to_end(checkpoints, tiny_datasets, models_dir, tmp_path, monkeypatch, capsys):
+    """Three short runs from the shared tiny checkpoints (hello_world's settings shrunk to 2 updates of 8):
+    sequential and overlapped learn the same gold curve, update by update; the table and files written."""
+    time_to_gold = load_benchmark("async_time_to_gold")
+    settings = {"TINY_PPO_BATCH": "8", "TINY_PPO_MICRO_BATCH": "4", "TINY_PPO_UPDATES": "2",
+                "TINY_PPO_FLAGS": "--lr 1e-4 --response_length 8 --local_eval_batch_size 4"}
+    monkeypatch.setattr(time_to_gold, "tiny_default", lambda *names: [settings[n] for n in names])
+    args = time_to_gold.Args(models=os.path.dirname(checkpoints[0]), base_model=os.path.join(models_dir, "pythia-tiny-s"),
+                             query_dataset=os.path.join(tiny_datasets[0], "sft"), threads=2, out=str(tmp_path / "out"))
+    threads = torch.get_num_threads()
+    try:
+        result = time_to_gold.main(args)
+    finally:
+        torch.set_num_threads(threads)
+    runs = result["runs"]
+    assert [len(runs[s]) for s in time_to_gold.SAMPLERS] == [2, 2, 2]
+    assert [r["gold"] for r in runs["sequential"]] == [r["gold"] for r in runs["overlapped"]]
+    assert runs["sync"][0]["gold"] == runs["sequential"][0]["gold"]  # update 1: the SFT policy, the same queries
+    assert all(0 <= r["worker_hidden_fraction"] <= 1 for r in runs["overlapped"][1:])
+    for rows in runs.values():
+        assert [r["elapsed"] for r in rows] == pytest.approx(np.cumsum([r["seconds"] for r in rows]).tolist())
+    assert "time to 90% of the synchronous run's gold gain" in capsys.readouterr().out
+    assert len(read_csv(os.path.join(args.out, "time_to_gold.csv"))) == 6
+    assert os.path.getsize(os.path.join(args.out, "time_to_gold.png")) > 0
