@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-import torch
 import tyro
 from rich.console import Console
 from rich.table import Table
@@ -143,8 +142,9 @@ def summarize(runs: dict, fraction: float, console: Console) -> dict:
         reached = time_to(rows, target)
         times[sampler] = reached
         medians = [statistics.median(r[k] for r in rows[1:]) if k in rows[-1] else None for k in (*phases, *worker)]
+        seconds = statistics.median(r["seconds"] for r in rows[1:])
         table.add_row(f"{sampler} (N={rows[0]['async_steps']})", str(reached[0]) if reached else "never",
-                      f"{reached[1]:.1f}" if reached else "-", f"{statistics.median(r['seconds'] for r in rows[1:]):.3f}",
+                      f"{reached[1]:.1f}" if reached else "-", f"{seconds:.3f}",
                       *["-" if v is None else f"{v:.3f}" for v in medians])
     Console(width=max(console.width, 160)).print(table)
     return times

@@ -155,9 +155,7 @@ def trl_phase_timers(trainer, phases: dict, device: str):
 
 def run_trl(args: Args, shape: str, threads: int, device: str, workdir: str) -> dict:
     """One GRPOTrainer.train() of `args.updates` updates: per-update seconds (the first left out) and phases."""
-    from accelerate.state import AcceleratorState, GradientState
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                              PrinterCallback, ProgressCallback, TrainerCallback)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from trl import GRPOTrainer
 
     ppo_speed.release_memory()
@@ -167,37 +165,11 @@ def run_trl(args: Args, shape: str, threads: int, device: str, workdir: str) -> 
     frozen = torch.bfloat16 if device == "cuda" else torch.float32  # as ours' frozen_dtype
     policy = AutoModelForCausalLM.from_pretrained(sft_path, dtype=torch.float32)
     reward_model = AutoModelForSequenceClassification.from_pretrained(rm_path, num_labels=1, dtype=frozen)
-    times, phases, per_update = [], {}, []
-
-    class EndOfUpdate(TrainerCallback):
-        def on_train_begin(self, *a, **kw):
-            times.append(time.perf_counter())
-
-        def on_step_end(self, *a, **kw):
-            times.append(time.perf_counter())
-            per_update.append(dict(phases))
-            phases.clear()
-
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with ppo_speed.environment(ACCELERATE_MIXED_PRECISION="bf16" if device == "cuda" else "no",
-                                   HF_HUB_OFFLINE="1"):
-            trainer = GRPOTrainer(model=policy, reward_funcs=reward_model, args=trl_config(args, workdir, device),
-                                  train_dataset=Dataset.from_dict({"prompt": prompt_texts(queries["train"]["query_token"])}),
-                                  processing_class=tokenizer, reward_processing_classes=tokenizer,
-                                  callbacks=[EndOfUpdate()])
-            for printer in (PrinterCallback, ProgressCallback):  # its console output is not the benchmark
-                trainer.remove_callback(printer)
-            with trl_phase_timers(trainer, phases, device):
-                trainer.train()
-    finally:
-        torch.set_num_threads(saved_threads)
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-    seconds = np.diff(times).tolist()
-    return {"seconds": seconds[1:], "phases": {k: [u.get(k, 0.0) for u in per_update[1:]]
-                                               for k in sorted({k for u in per_update for k in u})}}
+    prompts = Dataset.from_dict({"prompt": prompt_texts(queries["train"]["query_token"])})
+    return ppo_speed.timed_trl_training(lambda callback: GRPOTrainer(
+        model=policy, reward_funcs=reward_model, args=trl_config(args, workdir, device), train_dataset=prompts,
+        processing_class=tokenizer, reward_processing_classes=tokenizer, callbacks=[callback]),
+        trl_phase_timers, threads, device)
 
 
 def query_dataset(args: Args, shape: str) -> str:

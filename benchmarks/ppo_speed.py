@@ -858,8 +858,6 @@ def trl_phase_timers(trainer, phases: dict, device: str):
 def run_trl(args: Args, shape: str, micro_batch_size: int, threads: int, device: str, workdir: str) -> dict:
     """One PPOTrainer.train() of `args.updates` updates; per-update seconds (wall time between
     consecutive on_step_end calls, the first update left out) and phases."""
-    from accelerate.state import AcceleratorState, GradientState
-    from transformers import PrinterCallback, ProgressCallback, TrainerCallback
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # (its "experimental" import warning)
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
@@ -886,6 +884,19 @@ def run_trl(args: Args, shape: str, micro_batch_size: int, threads: int, device:
         lr_scheduler_type="linear", bf16=device == "cuda", use_cpu=device == "cpu",
         # (its gradient_checkpointing, True by default, is never applied by PPOTrainer: nothing to turn off)
     )
+    train = Dataset.from_dict({"input_ids": queries["train"]["query_token"]})
+    return timed_trl_training(lambda callback: PPOTrainer(
+        args=trl_args, processing_class=tokenizer, model=policy, ref_model=ref_policy, reward_model=reward_model,
+        value_model=value_model, train_dataset=train, callbacks=[callback]), trl_phase_timers, threads, device)
+
+
+def timed_trl_training(make_trainer, phase_timers, threads: int, device: str) -> dict:
+    """A TRL trainer's train(), the trainer built by `make_trainer(callback)` and timed by
+    `phase_timers(trainer, phases, device)`: per-update seconds (the wall time between consecutive
+    on_step_end calls, the first update left out) and phases. grpo_vs_trl.py's TRL side too."""
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+
     times, phases, per_update = [], {}, []
 
     class EndOfUpdate(TrainerCallback):
@@ -901,13 +912,10 @@ def run_trl(args: Args, shape: str, micro_batch_size: int, threads: int, device:
     torch.set_num_threads(threads)
     try:
         with environment(ACCELERATE_MIXED_PRECISION="bf16" if device == "cuda" else "no", HF_HUB_OFFLINE="1"):
-            trainer = PPOTrainer(args=trl_args, processing_class=tokenizer, model=policy, ref_model=ref_policy,
-                                 reward_model=reward_model, value_model=value_model,
-                                 train_dataset=Dataset.from_dict({"input_ids": queries["train"]["query_token"]}),
-                                 callbacks=[EndOfUpdate()])
+            trainer = make_trainer(EndOfUpdate())
             for printer in (PrinterCallback, ProgressCallback):  # its console output is not the benchmark
                 trainer.remove_callback(printer)
-            with trl_phase_timers(trainer, phases, device):
+            with phase_timers(trainer, phases, device):
                 trainer.train()
     finally:
         torch.set_num_threads(saved_threads)

@@ -392,7 +392,7 @@ def load_online_dpo_models(run, tokenizer) -> tuple:
         ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
-    packing.enable(args.packing, policy, ref_policy, reward_model)
+    packing.enable(args.packing, policy, ref_policy, reward_model, share_prefixes=True)  # (a query's two samples)
     packing.compile_for_training(args.compile_train, run.print, policy)
     run.print(f"policy: {trainable_parameters(policy)}")
     return policy, ref_policy, reward_model

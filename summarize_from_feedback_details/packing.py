@@ -6,7 +6,7 @@ goes through the model as ONE row of its real tokens, each sequence's positions 
 linear layer, the MLPs and the heads then run on real tokens only, and the outputs come back in
 the padded layout (zeros at padding) for the stage's own masks. Attention must not mix the
 sequences of the packed row: transformers' sdpa attention is registered over by `sdpa_or_packed`,
-which is that same function for every call without `cu_seq_lens_q` (generation, any padded
+which is that same function for every call without `packed_rows` (generation, any padded
 forward) and, for a packed call, `padded_sdpa_for_packed`: each sequence moves to its own
 right-padded row, plain causal SDPA runs there (exact: a real token only sees earlier positions of
 its own row, all real) and the outputs move back. Attention then costs what the padded batch's did;
@@ -26,6 +26,14 @@ and rewards equal to 1e-5 in fp32; every stage's invariance tests run packed). T
 on per model (`enable`) from their `--packing` flag (default on); `--no_packing` runs the padded
 forwards unchanged, for comparisons and for models whose attention cannot take packed rows.
 
+Shared prefixes (`enable(..., share_prefixes=True)`: RLOO/GRPO and online DPO, whose forwards hold a
+query's k samples together): a token whose row agrees with another row on every column up to it has
+that row's hidden states there (attention is causal, positions count real tokens), so the packed row
+holds it once and every row that shares it reads its output; attention still gives each sequence its
+own row, with the shared tokens' keys and values in each. The same result to float noise again (a
+token's linear layers run in a batch of other tokens); the linear layers run on a query's tokens once
+instead of k times (tests/test_packing.py: logits, rewards and gradients against the padded ones).
+
 `--compile_train` (`compile_for_training`): the packed forwards of a trained model under
 torch.compile with dynamic shapes (a packed row's length changes every batch), backward included;
 an error of any compiled call (a first compile, or a recompile for a new shape or after a reset)
@@ -40,35 +48,35 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-def padded_sdpa_for_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                           cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """Causal attention over a packed row [1, heads, tokens, head_dim] whose sequences start at
-    `cu_seq_lens_q`; returns [1, tokens, heads, head_dim], as transformers' attention functions do."""
-    lengths = cu_seq_lens_q.diff()
-    tokens = query.shape[2]
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths, output_size=tokens)
-    position = torch.arange(tokens, device=query.device) - cu_seq_lens_q[:-1].long()[sequence]
+
+def padded_sdpa_for_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, packed_rows=None):
+    """Causal attention over a packed row [1, heads, tokens, head_dim]. `packed_rows` (`Packed`): the
+    row, position and packed token of every real place of the padded batch, each token's own place, and
+    the rows' shape. Each sequence gets its own right-padded row of its tokens' states (a prefix shared
+    by several sequences in each of their rows), plain causal SDPA runs there (exact: a real token only
+    sees earlier positions of its own row, all real), and each token's output is read at its own
+    place. Returns [1, tokens, heads, head_dim], as transformers' attention functions do."""
+    row, position, token, home, shape = packed_rows
 
     def to_rows(states):
-        rows = states.new_zeros(len(lengths), states.shape[1], max_length_q, states.shape[3])
-        rows[sequence, :, position] = states[0].transpose(0, 1)
+        rows = states.new_zeros(shape[0], states.shape[1], shape[1], states.shape[3])
+        rows[row, :, position] = states[0].transpose(0, 1)[token]
         return rows
 
     output = F.scaled_dot_product_attention(to_rows(query), to_rows(key), to_rows(value), dropout_p=dropout,
                                             is_causal=True, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
-    return output[sequence, :, position].unsqueeze(0), None
+    return output[row[home], :, position[home]].unsqueeze(0), None
 
 
 TRANSFORMERS_SDPA = AttentionInterface._global_mapping["sdpa"]
 
 
-def sdpa_or_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, cu_seq_lens_q=None,
-                   max_length_q=None, **kwargs):
+def sdpa_or_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, packed_rows=None,
+                   **kwargs):
     """transformers' sdpa attention, or `padded_sdpa_for_packed` for a packed call."""
-    if cu_seq_lens_q is None:
+    if packed_rows is None:
         return TRANSFORMERS_SDPA(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    return padded_sdpa_for_packed(module, query, key, value, attention_mask, scaling, dropout, cu_seq_lens_q,
-                                  max_length_q)
+    return padded_sdpa_for_packed(module, query, key, value, attention_mask, scaling, dropout, packed_rows)
 
 
 AttentionInterface.register("sdpa", sdpa_or_packed)
@@ -81,16 +89,22 @@ def inner(model):
     return model
 
 
-def enable(on: bool, *models) -> None:
+def enable(on: bool, *models, share_prefixes: bool = False) -> None:
     """Marks loaded models (plain or peft-wrapped; before or after accelerate's prepare; None is
-    skipped: a LoRA run's reference) to run their scoring and training forwards packed, or not."""
+    skipped: a LoRA run's reference) to run their scoring and training forwards packed, or not; with
+    `share_prefixes`, a prefix that rows of one forward share is computed once (`shared_prefix_owner`:
+    the online stages' samples of one query)."""
     for model in models:
         if model is not None:
-            inner(model).packs_sequences = on
+            inner(model).packs_sequences, inner(model).shares_prefixes = on, share_prefixes
 
 
 def is_on(model) -> bool:
     return bool(getattr(inner(model), "packs_sequences", False))
+
+
+def shares(model) -> bool:
+    return bool(getattr(inner(model), "shares_prefixes", False))
 
 
 def transformer_body(model):
@@ -106,29 +120,67 @@ def without_shared_padding(query_responses: torch.Tensor, pad_id: int) -> torch.
     return query_responses[:, first_real_column:]
 
 
-class Packed:
-    """The packing of a padded batch: where each real token sits, and the arguments of the packed call."""
+def shared_prefix_owner(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        position_ids: torch.Tensor) -> torch.Tensor:
+    """owner[i, c]: a row whose columns 0..c equal row i's (tokens, mask and positions), so whose
+    hidden states at column c are row i's (attention is causal), the same row for all that share
+    them; i itself where no other row does. A query's k samples share
+    their query, and often their first sampled tokens. Rows in lexicographic order (stable sorts,
+    last column first) put every row beside the one it shares most with."""
+    key = torch.where(attention_mask.bool(), input_ids.long() + 1, 0) * (int(position_ids.max()) + 1) + position_ids
+    order = torch.arange(len(input_ids), device=input_ids.device)
+    for column in reversed(range(input_ids.shape[1])):
+        order = order[torch.sort(key[order, column], stable=True).indices]
+    ranked = key[order]
+    same = torch.zeros_like(ranked, dtype=torch.bool)
+    same[1:] = (ranked[1:] == ranked[:-1]).int().cumprod(1).bool()
+    # the row that starts each run of equal prefixes (in sorted order) computes the run's states
+    starts = torch.where(same, -1, torch.arange(len(order), device=order.device)[:, None]).cummax(0).values
+    owner = torch.empty_like(starts)
+    owner[order] = order[starts]
+    return owner
 
-    def __init__(self, attention_mask: torch.Tensor, position_ids: torch.Tensor, attention: str):
+
+class Packed:
+    """The packing of a padded batch: its real tokens (with `share_prefixes`, a prefix that rows share
+    once), where each place of the batch reads its token's output, and the arguments of the packed call."""
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 attention: str, share_prefixes: bool = False):
         if attention != "sdpa":
             raise ValueError(f"--packing needs sdpa attention, not {attention!r}: run with --no_packing")
-        self.rows, self.columns = attention_mask.nonzero(as_tuple=True)
-        lengths = attention_mask.sum(1)
-        cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0)).int()
-        # (attention_mask: a placeholder that nothing reads; sdpa_or_packed reads cu_seq_lens_q)
-        self.kwargs = dict(position_ids=position_ids[self.rows, self.columns][None], cu_seq_lens_q=cu_seq_lens,
-                           max_length_q=int(lengths.max()), attention_mask=attention_mask.new_ones(1, 1, 1, 1),
-                           use_cache=False, return_dict=True)
-        self.index = torch.full(attention_mask.shape, -1, dtype=torch.long, device=attention_mask.device)
-        self.index[self.rows, self.columns] = torch.arange(len(self.rows), device=attention_mask.device)
+        real = attention_mask.bool()
+        rows = torch.arange(len(real), device=real.device)[:, None]
+        owner = shared_prefix_owner(input_ids, attention_mask, position_ids) if share_prefixes else rows.expand_as(real)
+        columns = torch.arange(real.shape[1], device=real.device).expand_as(real)
+        own = real & (owner == rows)
+        self.rows, self.columns = own.nonzero(as_tuple=True)
+        computed = torch.full(real.shape, -1, dtype=torch.long, device=real.device)
+        computed[self.rows, self.columns] = torch.arange(len(self.rows), device=real.device)
+        self.index = torch.where(real, computed[owner, columns], -1)
+        # attention: every row of the batch as a right-padded row of its real tokens' states; a
+        # token's output is read at its own place (its owner row's)
+        place_row, place_column = real.nonzero(as_tuple=True)
+        place_position = real.cumsum(1)[place_row, place_column] - 1
+        place_token = self.index[place_row, place_column]
+        place = torch.full(real.shape, -1, dtype=torch.long, device=real.device)
+        place[place_row, place_column] = torch.arange(len(place_row), device=real.device)
+        home = place[self.rows, self.columns]
+        lengths = real.sum(1)
+        # (attention_mask: a placeholder that nothing reads; sdpa_or_packed reads packed_rows)
+        self.kwargs = dict(position_ids=position_ids[self.rows, self.columns][None],
+                           packed_rows=(place_row, place_position, place_token, home,
+                                        (len(real), int(lengths.max()))),
+                           attention_mask=attention_mask.new_ones(1, 1, 1, 1), use_cache=False, return_dict=True)
 
     def pack(self, values: torch.Tensor) -> torch.Tensor:
         return values[self.rows, self.columns][None]
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """[tokens, ...], one entry per real token -> [rows, columns, ...], zeros at padding."""
+        """[tokens, ...], one entry per computed token -> [rows, columns, ...], zeros at padding."""
         out = packed.new_zeros(*self.index.shape, *packed.shape[1:])
-        out[self.rows, self.columns] = packed
+        real = self.index >= 0
+        out[real] = packed[self.index[real]]
         return out
 
 
@@ -155,7 +207,7 @@ def lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, posi
               logits_to_keep: int = 0) -> torch.Tensor:
     """A causal LM's logits [rows, logits_to_keep or columns, vocab] of a packed forward; the LM head
     runs on the kept real positions only; zeros where a kept position is padding."""
-    packed = Packed(attention_mask, position_ids, inner(model).config._attn_implementation)
+    packed = Packed(input_ids, attention_mask, position_ids, inner(model).config._attn_implementation, shares(model))
     kept = slice(-logits_to_keep if logits_to_keep else None, None)
     index = packed.index[:, kept]
     with compiled_body(model):
@@ -169,7 +221,7 @@ def token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     """A sequence-classification model's head (`score`) at every position [rows, columns] of a packed
     forward (read by a hook: the model's own output pools one position of the packed row); zeros at
     padding."""
-    packed = Packed(attention_mask, position_ids, inner(model).config._attn_implementation)
+    packed = Packed(input_ids, attention_mask, position_ids, inner(model).config._attn_implementation, shares(model))
     captured = []
     hook = inner(model).score.register_forward_hook(lambda module, args, output: captured.append(output))
     try:

@@ -78,8 +78,8 @@ from summarize_from_feedback_details.infra.loading import (describe_frozen, enab
                                                            load_tokenizer, prepare_frozen, require_splits)
 from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
 from summarize_from_feedback_details.infra.tracking import PhaseTimer
-from summarize_from_feedback_details.rollout import (RolloutChunks, StalePolicy, compiled_step_for, decode_update,
-                                                     derived_seed, staleness_metrics, with_next)
+from summarize_from_feedback_details.rollout import (RolloutChunks, StalePolicy, chunk_batches, compiled_step_for,
+                                                     decode_update, derived_seed, staleness_metrics, with_next)
 
 
 @dataclass
@@ -170,9 +170,9 @@ class MethodArgs:
     gradient_accumulation_steps: Resumable[int] = 64
     """micro-batches per minibatch (one optimizer step per minibatch)"""
     local_rollout_forward_batch_size: int = 32
-    """queries per generation / no-grad forward chunk (must divide local_batch_size / rloo_k); each chunk is
-    sampled once per sample index j, from a seed fixed by its place in the global batch and j: keep it fixed
-    when comparing runs sample for sample"""
+    """queries per generation / no-grad forward chunk (its k samples in one forward; must divide local_batch_size /
+    rloo_k); each chunk is sampled once per sample index j, from a seed fixed by its place in the global batch and
+    j: keep it fixed when comparing runs sample for sample"""
     local_generation_batch_size: Resumable[Optional[int]] = None
     """rows per batched decode: the update's validation chunks and rollout chunks (a chunk's k samples in turn),
     packed whole in that order (default: the validation queries plus rloo_k chunks). A memory knob: it changes
@@ -426,11 +426,10 @@ def minibatch_rows(seed: int, update: int, epoch: int, batch_size: int, nminibat
             for m in range(nminibatches)]
 
 
-def query_major(per_group: list, k: int) -> torch.Tensor:
-    """Rollout groups in (chunk, sample j) order -> one tensor whose row q * k + j is sample j of query q
-    (its k samples side by side): after gather_global (ranks in order) global row g is sample g % k of global
-    query g // k on any process count, which keeps minibatch_rows' minibatches process-count free."""
-    return torch.cat([torch.stack(per_group[c: c + k], 1).flatten(0, 1) for c in range(0, len(per_group), k)])
+def query_major(per_chunk: list, k: int) -> torch.Tensor:
+    """Rollout chunks, rows sample-major (`chunk_batches`) -> row q * k + j is sample j of query q: after gather_global
+    (ranks in order) global row g is sample g % k of query g // k on any process count (minibatch_rows' premise)."""
+    return torch.cat([rows.unflatten(0, (k, -1)).transpose(0, 1).flatten(0, 1) for rows in per_chunk])
 
 
 def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -539,7 +538,7 @@ def load_rloo_models(run, tokenizer) -> tuple:
         ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
-    packing.enable(args.packing, policy, ref_policy, reward_model)
+    packing.enable(args.packing, policy, ref_policy, reward_model, share_prefixes=True)  # (a query's k samples)
     packing.compile_for_training(args.compile_train, run.print, policy)
     run.print(f"policy: {trainable_parameters(policy)}")
     return policy, ref_policy, reward_model
@@ -665,8 +664,8 @@ def main(args: Args) -> None:
         # ---- rollout scoring and advantages ---------------------------------------------------
         with torch.no_grad():
             chunks = []
-            for group, (response, logprob) in zip(rollout_groups, rollout_generated):
-                query_response = torch.cat([group.queries, response], 1)
+            for chunk_queries, response, logprob in chunk_batches(rollout_groups, rollout_generated, k):
+                query_response = torch.cat([chunk_queries, response], 1)
                 sampled_logprob = logprob
                 if stale.staleness():
                     with timer("learner_forward"), accelerator.autocast():
@@ -680,7 +679,7 @@ def main(args: Args) -> None:
                 with timer("reward_forward"), accelerator.autocast():
                     # the reward model scores the EOS-truncated response at its EOS
                     postprocessed = truncate_response(response, eos_id, pad_id)
-                    score = get_reward(reward_model, torch.cat([group.queries, postprocessed], 1), pad_id).float()
+                    score = get_reward(reward_model, torch.cat([chunk_queries, postprocessed], 1), pad_id).float()
                 chunks.append((response, logprob, ref_logprob, score, logprob - sampled_logprob))
             with timer("advantages"):
                 # row q * k + j: sample j of query q
@@ -718,8 +717,9 @@ def main(args: Args) -> None:
             for epoch in range(args.noptepochs):
                 for minibatch, mb_indices in enumerate(minibatch_rows(args.seed, update, epoch, args.batch_size,
                                                                       args.nminibatches, rank, num_processes)):
+                    # rows in order: a query's samples share micro-batches (packing computes their query once)
                     for micro_start in range(0, args.local_mini_batch_size, args.local_micro_batch_size):
-                        micro = mb_indices[micro_start: micro_start + args.local_micro_batch_size]
+                        micro = mb_indices.sort().values[micro_start: micro_start + args.local_micro_batch_size]
                         mask = ~padding_mask[micro]
                         with accelerator.accumulate(model):
                             new_logits = scaled_logits(response_logits(model, query_responses[micro], pad_id, length),

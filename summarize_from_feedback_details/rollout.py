@@ -73,6 +73,14 @@ class RolloutChunks:
                 for i in range(0, len(queries), self.chunk) for sample in range(self.samples or 1)]
 
 
+def chunk_batches(groups: list, generated: list, samples: int) -> list:
+    """(queries, responses, logprobs) of each rollout chunk's `samples` groups as one batch, rows sample-major:
+    a scoring forward holds a query's samples together (packing's shared prefixes: its query once)."""
+    return [(torch.cat([group.queries for group in groups[i: i + samples]]),
+             *(torch.cat(part) for part in zip(*generated[i: i + samples])))
+            for i in range(0, len(groups), samples)]
+
+
 def with_next(batches: Iterator) -> Iterator[tuple]:
     """(batch, the next batch or None): the overlapped sampler (`--async_worker`) takes the next update's
     queries one update early; the batches and their order are those of `batches`."""
@@ -224,8 +232,7 @@ def sample_batch(model, groups: list, pad_id: int, vocab_end: int, response_leng
         step_forward = compiled_step.forward
     else:
         cache = StaticCache(config=model.config, max_cache_len=width + response_length)
-    output = model(input_ids=queries.masked_fill(~query_mask, 0), attention_mask=attention_mask[:, :width],
-                   position_ids=positions, use_cache=True, logits_to_keep=1, **{CACHE_KEYWORD: cache})
+    last_logits = prefill(model, queries, query_mask, positions, cache)
     filled = int(cache.get_seq_length())  # (a cache the model did not take would leave every step blind)
     if filled != width:
         raise RuntimeError(f"{type(model).__name__} did not fill the KV cache in the prefill ({filled} of {width} "
@@ -233,7 +240,7 @@ def sample_batch(model, groups: list, pad_id: int, vocab_end: int, response_leng
     tokens, logprobs = [], []
     for step in range(response_length):
         # a copy: a CUDA graph's output buffer is overwritten by its next replay
-        scores = output.logits[:, -1].to(torch.float32, copy=True)
+        scores = (last_logits if step == 0 else output.logits[:, -1]).to(torch.float32, copy=True)
         # never sampled: [PAD], and the embedding rows past the tokenizer (Qwen2.5/3: 270 beside the [PAD]
         # the loader adds, Pythia 26), which decode to '' and which RL can make likely (NeMo-RL#237)
         scores[:, pad_id] = float("-inf")
@@ -252,6 +259,22 @@ def sample_batch(model, groups: list, pad_id: int, vocab_end: int, response_leng
             output = step_forward(input_ids=token, attention_mask=mask, position_ids=positions[:, -1:] + step + 1,
                                   use_cache=True, **{CACHE_KEYWORD: cache})
     return list(zip(torch.cat(tokens, 1).split(sizes), torch.cat(logprobs, 1).split(sizes)))
+
+
+def prefill(model, queries: torch.Tensor, query_mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """The left-padded queries' keys and values into `cache`; returns each row's last logits. A query that several
+    rows hold (RLOO's k samples, online DPO's pair) runs once, its keys and values copied into each of its rows."""
+    unique, inverse = torch.unique(queries, dim=0, return_inverse=True)
+    shared = len(unique) < len(queries)
+    if shared:  # (a row of each distinct query: any of its rows, they are equal)
+        one_row = inverse.new_empty(len(unique)).scatter_(0, inverse, torch.arange(len(queries), device=inverse.device))
+        queries, query_mask, positions = queries[one_row], query_mask[one_row], positions[one_row]
+    once = DynamicCache(config=model.config) if shared else cache
+    output = model(input_ids=queries.masked_fill(~query_mask, 0), attention_mask=query_mask, position_ids=positions,
+                   use_cache=True, logits_to_keep=1, **{CACHE_KEYWORD: once})
+    for index, layer in enumerate(once.layers if shared else ()):
+        cache.update(layer.keys[inverse], layer.values[inverse], index)
+    return output.logits[inverse if shared else slice(None), -1]
 
 
 def static_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:

@@ -345,7 +345,8 @@ def test_grpo_against_trl_side_by_side(tmp_path, capsys):
         torch.set_num_threads(threads)
     assert rows == [{**rows[0], "shape": "tiny-s", "round": 1, "update": 2, "first": "ours", "k": 4, "queries": 4}]
     written = read_csv(os.path.join(args.out, "grpo_vs_trl.csv"))
-    assert len(written) == 1 and float(written[0]["ratio_trl_over_ours"]) == pytest.approx(rows[0]["trl_s"] / rows[0]["ours_s"])
+    assert len(written) == 1
+    assert float(written[0]["ratio_trl_over_ours"]) == pytest.approx(rows[0]["trl_s"] / rows[0]["ours_s"])
     row = rows[0]
     assert {"ours_generation", "ours_reference_forward", "ours_reward_forward", "ours_ppo_epochs", "trl_generation",
             "trl_reference_forward", "trl_reward_forward"} <= set(row)
@@ -394,8 +395,8 @@ def test_time_to_gold_end_to_end(checkpoints, tiny_datasets, models_dir, tmp_pat
     settings = {"TINY_PPO_BATCH": "8", "TINY_PPO_MICRO_BATCH": "4", "TINY_PPO_UPDATES": "2",
                 "TINY_PPO_FLAGS": "--lr 1e-4 --response_length 8 --local_eval_batch_size 4"}
     monkeypatch.setattr(time_to_gold, "tiny_default", lambda *names: [settings[n] for n in names])
-    args = time_to_gold.Args(models=os.path.dirname(checkpoints[0]), base_model=os.path.join(models_dir, "pythia-tiny-s"),
-                             query_dataset=os.path.join(tiny_datasets[0], "sft"), threads=2, out=str(tmp_path / "out"))
+    args = time_to_gold.Args(models=os.path.dirname(checkpoints[0]),
+                             base_model=os.path.join(models_dir, "pythia-tiny-s"), query_dataset=os.path.join(tiny_datasets[0], "sft"), threads=2, out=str(tmp_path / "out"))
     threads = torch.get_num_threads()
     try:
         result = time_to_gold.main(args)

@@ -125,6 +125,62 @@ def test_packed_gradients_equal_padded_also_with_gradient_checkpointing():
         assert max((a - b).abs().max() for a, b in zip(grads[key], grads[False, False])) < 1e-5
 
 
+def k_samples_batch() -> torch.Tensor:
+    """Two left-padded queries, each with three sampled responses (one pair of which also shares its
+    first two tokens, and one response padded after its EOS), a row of its own, in a shuffled order."""
+    torch.manual_seed(4)
+    queries = torch.randint(2, VOCAB, (2, 7))
+    queries[1, :3] = PAD
+    rows = [torch.cat([queries[q], torch.randint(2, VOCAB, (6,))]) for q in (0, 0, 0, 1, 1, 1)]
+    rows[1][7:9] = rows[0][7:9]
+    rows[4][-2:] = PAD
+    rows.append(torch.randint(2, VOCAB, (13,)))
+    return torch.stack(rows)[torch.tensor([3, 0, 6, 4, 1, 5, 2])]
+
+
+def distinct_prefixes(ids: torch.Tensor) -> int:
+    """What a packed row must compute: the distinct (real tokens up to here) of the batch's real places."""
+    return len({tuple(row[:c + 1][row[:c + 1] != PAD].tolist()) + (int((row[:c + 1] != PAD).sum()),)
+                for row in ids for c in range(len(row)) if row[c] != PAD})
+
+
+def test_shared_prefix_owner_known_answer():
+    ids = torch.tensor([[5, 6, 7], [9, 9, 9], [5, 6, 8], [PAD, 5, 6], [5, 6, 7]])
+    mask = ids != PAD
+    owner = packing.shared_prefix_owner(ids, mask, (mask.cumsum(1) - 1).clamp(min=0))
+    # rows 0, 2 and 4 share [5, 6] (4 also 7); row 3's 5 sits at another column: its own, as row 1's
+    assert owner.tolist() == [[0, 0, 0], [1, 1, 1], [0, 0, 2], [3, 3, 3], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox", "llama"])
+def test_a_prefix_shared_by_samples_is_computed_once_with_the_same_logits_and_gradients(kind):
+    ids = k_samples_batch()
+    mask = real(ids)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    assert len(packing.Packed(ids, mask, positions, "sdpa", share_prefixes=True).rows) == distinct_prefixes(ids) \
+        == int(mask.sum()) - 2 * 7 - 2 * 4 - 2
+    assert len(packing.Packed(ids, mask, positions, "sdpa").rows) == int(mask.sum())  # (unless asked)
+    results = {}
+    for on in (False, True):
+        model = causal_lm(kind).train()
+        packing.enable(on, model, share_prefixes=on)
+        logits = sft.forward(model, ids, PAD)
+        (logits * real(ids)[..., None]).square().sum().backward()
+        results[on] = logits.detach(), [p.grad for p in model.parameters()]
+    assert ((results[True][0] - results[False][0]).abs() * real(ids)[..., None]).max() < 1e-5
+    assert max((a - b).abs().max() for a, b in zip(results[True][1], results[False][1])) < 1e-5
+
+
+def test_rewards_of_samples_that_share_a_query_equal_padded():
+    model, ids = score_model(), k_samples_batch()
+    with torch.no_grad():
+        rewards, values = reward.get_reward(model, ids, PAD), ppo.get_values(model, ids, PAD)
+        packing.enable(True, model, share_prefixes=True)
+        packed_rewards, packed_values = reward.get_reward(model, ids, PAD), ppo.get_values(model, ids, PAD)
+    assert (packed_rewards - rewards).abs().max() < 1e-5
+    assert ((packed_values - values).abs() * real(ids)).max() < 1e-5
+
+
 @pytest.mark.parametrize("attention", ["eager", "flash_attention_2"])
 def test_packing_refuses_attention_other_than_sdpa(attention):
     """Only sdpa is routed for packed rows (flash attention's varlen path is not wired in)."""

@@ -489,6 +489,36 @@ def test_compiled_decode_step_samples_what_eager_decode_samples(one_thread):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_query_in_several_groups_is_prefilled_once_and_samples_what_it_samples_alone(compiled, one_thread):
+    """RLOO's and GRPO's chunks hold a query's k groups in one decode batch: the prefill runs each distinct
+    query once (its keys and values copied into each of its rows), and every group samples exactly what it
+    samples decoded alone; eagerly and through the compiled step's static cache (traced without CUDA graphs)."""
+    torch._dynamo.reset()
+    model = tiny_lm()
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randint(2, 40, (3, 9), generator=generator)
+    for i, pad in enumerate([0, 4, 2]):
+        rows[i, :pad] = PAD
+    groups = [rollout.SamplingGroup(rows, 0.7, 20 + j) for j in range(3)] + [rollout.SamplingGroup(rows[1:], 0.7, 9)]
+    prefilled = []
+
+    def first_call(module, args, kwargs):  # (the prefill's; removed before the steps, which dynamo traces)
+        prefilled.append(kwargs["input_ids"].shape)
+        hook.remove()
+
+    hook = model.register_forward_pre_hook(first_call, with_kwargs=True)
+    step = rollout.CompiledStep(model, backend="aot_eager") if compiled else None
+    together = rollout.decode(model, groups, PAD, 40, 12, step)
+    assert prefilled == [(3, 9)]  # 11 rows, 3 distinct queries
+    assert step is None or step.failure is None
+    for group, (responses, logprobs) in zip(groups, together, strict=True):
+        ((alone, alone_logprobs),) = rollout.decode(model, [group], PAD, 40, 12)
+        assert torch.equal(responses, alone) and torch.allclose(logprobs, alone_logprobs, atol=1e-5)
+    assert len({tuple(r.flatten().tolist()) for r, _ in together[:3]}) == 3  # (each sample its own seed)
+    torch._dynamo.reset()
+
+
 def test_compiled_decode_reports_its_cache_and_frees_it_when_asked(one_thread):
     """The static cache's bytes are reported once per shape (2 layers x keys and values x 3 rows x 2
     heads x 21 positions x 16 dims x 4 bytes); with keep_caches=False decode_in_batches frees it

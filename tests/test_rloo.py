@@ -148,11 +148,18 @@ def test_grpo_losses_known_answer():
 
 
 def test_query_major_layout():
-    """Groups in (chunk, sample j) order: chunk 0 (queries 0, 1) j = 0, 1; chunk 1 (queries 2, 3) j = 0, 1.
-    Row q * k + j is sample j of query q."""
-    groups = [torch.tensor([[q * 10 + j] for q in chunk]) for chunk in ((0, 1), (2, 3)) for j in range(2)]
-    assert rloo.query_major(groups, 2).flatten().tolist() == [0, 1, 10, 11, 20, 21, 30, 31]
-    assert rloo.query_major([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])], 2).tolist() == [1.0, 3.0, 2.0, 4.0]
+    """Groups in (chunk, sample j) order: chunk 0 (queries 0, 1) j = 0, 1; chunk 1 (queries 2, 3) j = 0, 1, each
+    chunk's samples in one batch (`chunk_batches`). Row q * k + j is sample j of query q."""
+    groups = [rollout.SamplingGroup(torch.tensor([[q] for q in chunk]), 0.7, j) for chunk in ((0, 1), (2, 3))
+              for j in range(2)]
+    generated = [(torch.tensor([[q * 10 + j] for q in chunk]), torch.tensor([q + j / 10 for q in chunk]))
+                 for chunk in ((0, 1), (2, 3)) for j in range(2)]
+    batches = rollout.chunk_batches(groups, generated, 2)
+    assert [queries.flatten().tolist() for queries, _, _ in batches] == [[0, 1, 0, 1], [2, 3, 2, 3]]
+    assert rloo.query_major([responses for _, responses, _ in batches], 2).flatten().tolist() == [
+        0, 1, 10, 11, 20, 21, 30, 31]
+    assert rloo.query_major([logprobs for _, _, logprobs in batches], 2).tolist() == pytest.approx(
+        [0, 0.1, 1, 1.1, 2, 2.1, 3, 3.1])
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -353,7 +360,8 @@ def test_a_querys_samples_share_the_query_and_come_from_their_own_seeds(base_run
     sft = loading.load_policy(checkpoints[0], tokenizer).eval()
     groups = [rollout.SamplingGroup(queries[::2][c: c + 2], 0.7, rollout.derived_seed(args.seed, 0, 1, c, j))
               for c in (0, 2) for j in range(2)]
-    sampled = [response for response, _ in rollout.decode(sft, groups, PAD, len(tokenizer), 20)]
+    sampled = [responses for _, responses, _ in rollout.chunk_batches(groups, rollout.decode(
+        sft, groups, PAD, len(tokenizer), 20), 2)]
     assert torch.equal(rloo.query_major(sampled, 2), responses)
 
 
