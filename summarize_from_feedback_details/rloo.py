@@ -47,7 +47,8 @@ validation score on new queries every update; see ppo_left_padding.py):
   drawn on one process from seeds fixed by (seed, update, place of its chunk in the global batch, j), and advantages
   are computed over the gathered global batch: 1 and N processes give the same update;
 - the loss is a mean over the responses of the whole minibatch of all processes, whatever the micro-batch size,
-  accumulation and process count;
+  accumulation and process count; a minibatch's rows train in order, so a query's samples share micro-batches and
+  packing computes their query once;
 - ratio statistics (ppo/val/ratio, ppo/policy/approxkl_avg, ppo/policy/clipfrac_avg) are means over the unit the ratio
   is taken on: responses with the sequence ratio, real tokens with a per-token one;
 - a response without EOS scores -1 (the paper's EOS trick, TRL's old --non_eos_penalty), not TRL 1.x's score - penalty.
@@ -467,6 +468,19 @@ def grpo_advantages(rewards: torch.Tensor, std: str = "sample", scale: bool = Tr
     return centred / (rewards.std(1, keepdim=True, correction=1 if std == "sample" else 0) + eps)
 
 
+def algorithm_advantages(args: Args, scores: torch.Tensor, kl: torch.Tensor, k: int) -> tuple:
+    """(rewards, advantages) of the global batch's rows (row q * k + j: sample j of query q) under --algorithm;
+    a value without an arm here is refused, not run as another method."""
+    match args.algorithm:
+        case "rloo":  # the KL is in the reward, the whole response one action
+            rewards = scores - args.kl_coef * kl
+            return rewards, rloo_advantages(rewards.view(-1, k)).flatten()
+        case "grpo":  # the score alone (the KL is a loss term)
+            return scores, grpo_advantages(scores.view(-1, k), args.grpo_std, scale=args.grpo_loss == "grpo").flatten()
+        case _:
+            raise ValueError(f"--algorithm {args.algorithm}: no advantages for it")
+
+
 def whiten(values: torch.Tensor) -> torch.Tensor:
     """(v - mean) / (sample std + 1e-8) over the whole (global) batch, as TRL's --normalize_advantage."""
     return (values - values.mean()) / (values.std() + 1e-8)
@@ -485,7 +499,11 @@ def policy_objective(new_logprobs: torch.Tensor, logprobs: torch.Tensor, ref_log
     divides each response's sum by its length (DeepSeekMath) or by response_length (Dr. GRPO)."""
     zeros = torch.zeros_like(new_logprobs)
     logratio = torch.where(mask, new_logprobs - logprobs, zeros)
-    per_token = args.algorithm == "grpo" or args.token_level_ratio
+    match args.algorithm:
+        case "rloo" | "grpo":
+            per_token = args.algorithm == "grpo" or args.token_level_ratio
+        case _:
+            raise ValueError(f"--algorithm {args.algorithm}: no objective for it")
     if per_token:
         advantage, units = advantages.unsqueeze(1), mask
     else:
@@ -696,13 +714,7 @@ def main(args: Args) -> None:
                                                                ref_logprobs, padding_mask, scores, contain_eos,
                                                                sequence_lengths, log_ratios)
                 kl = sequence_kl(logprobs, ref_logprobs, ~padding_mask)
-                if args.algorithm == "rloo":  # the KL is in the reward, the whole response one action
-                    rewards = scores - args.kl_coef * kl
-                    advantages = rloo_advantages(rewards.view(-1, k)).flatten()
-                else:  # grpo: the score alone (the KL is a loss term)
-                    rewards = scores
-                    advantages = grpo_advantages(rewards.view(-1, k), args.grpo_std,
-                                                 scale=args.grpo_loss == "grpo").flatten()
+                rewards, advantages = algorithm_advantages(args, scores, kl, k)
                 if args.normalize_advantage:
                     advantages = whiten(advantages)
 
@@ -717,7 +729,6 @@ def main(args: Args) -> None:
             for epoch in range(args.noptepochs):
                 for minibatch, mb_indices in enumerate(minibatch_rows(args.seed, update, epoch, args.batch_size,
                                                                       args.nminibatches, rank, num_processes)):
-                    # rows in order: a query's samples share micro-batches (packing computes their query once)
                     for micro_start in range(0, args.local_mini_batch_size, args.local_micro_batch_size):
                         micro = mb_indices.sort().values[micro_start: micro_start + args.local_micro_batch_size]
                         mask = ~padding_mask[micro]

@@ -147,6 +147,23 @@ def test_grpo_losses_known_answer():
     assert kl_losses.tolist() == pytest.approx([2 * k3 / 3, k3, k3], rel=1e-5)
 
 
+def test_each_algorithm_gets_its_own_advantages_and_a_new_one_is_refused():
+    """RLOO: the KL (0.05 x 0.2) in the reward, leave-one-out baseline; GRPO: the score alone, group-normalised. A value
+    with no arm (one added to the Literal and nowhere else; set past tyro here) is refused at the advantages and at the
+    loss, not run as another method."""
+    rewards, advantages = rloo.algorithm_advantages(rloo.Args(), torch.tensor([1.0, 0.0]), torch.tensor([0.2, 0.0]), 2)
+    assert rewards.tolist() == pytest.approx([0.99, 0.0]) and advantages.tolist() == pytest.approx([0.99, -0.99])
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    rewards, advantages = rloo.algorithm_advantages(rloo.Args(algorithm="grpo"), scores, torch.ones(4), 4)
+    assert torch.equal(rewards, scores) and advantages.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], rel=1e-3)
+    args = rloo.Args()
+    args.algorithm = "reinforce_pp"
+    with pytest.raises(ValueError, match="--algorithm reinforce_pp: no advantages for it"):
+        rloo.algorithm_advantages(args, scores, torch.zeros(4), 2)
+    with pytest.raises(ValueError, match="--algorithm reinforce_pp: no objective for it"):
+        rloo.policy_objective(OLD, OLD, OLD, torch.tensor([1.0, -1.0, 0.5]), MASK, args)
+
+
 def test_query_major_layout():
     """Groups in (chunk, sample j) order: chunk 0 (queries 0, 1) j = 0, 1; chunk 1 (queries 2, 3) j = 0, 1, each
     chunk's samples in one batch (`chunk_batches`). Row q * k + j is sample j of query q."""
