@@ -247,7 +247,7 @@ STAT_NAMES = ("pg_loss", "kl_loss", "approxkl", "clipfrac", "ratio", "ratio_devi
 
 # ---------------------------------------------------------------------------------------------
 # helpers (pure functions; tests import them). Those shared with PPO are copies of
-# ppo_left_padding.py's, kept identical by tests/test_rloo.py
+# ppo_left_padding.py's, kept identical by tests/test_run_infra.py
 # ---------------------------------------------------------------------------------------------
 
 

@@ -16,7 +16,10 @@ every stage, and is written once:
   `run_settings`);
 - `tracking`: `Logger`, `EarlyWarnings`, `progress` and `PhaseTimer`;
 - `saving`: the final save, the disk room it needs, its rescue, and `push_to_hub`;
-- `flags`: `parse_args`, with our names for flags that other codebases name differently.
+- `flags`: `parse_args`, with our names for flags that other codebases name differently;
+- `cores`: the torch threads a stage takes over when the chain beside it ends (hello_world's two
+  chains). Threads change only the order of float sums: a result by float noise, which a run's later
+  updates can grow as a seed's difference grows, never by what is computed.
 
 No base classes, callbacks or hooks: plain functions and a few concrete classes that a stage calls
 where the reader sees it. Importing a module does nothing but define it: the libraries' noise is
