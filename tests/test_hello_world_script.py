@@ -464,8 +464,9 @@ def test_arch_builds_the_embedded_default_in_its_own_folders(checkout, arch):
     result, calls = run(checkout, 0)  # the default: Pythia's folders, built with --arch gpt_neox
     (build,) = [c for c in calls if "summarize_from_feedback_details.tiny_models" in c]
     assert flag(build, "--arch") == "gpt_neox" and flag(build, "--output_dir") == "models/tiny"
-    assert flag(build, "--pretrain_tokens_per_parameter") == "3"  # tiny_models' default: its recipe unchanged
-    assert (flag(stage_calls(calls, "reward.py")[0], "--lr"), flag(stage_calls(calls, "reward.py")[0], "--num_train_epochs")) == ("1e-3", "4")
+    # GPT-NeoX takes the Llama-style recipe (docs/real_pipeline.md, "GPT-NeoX's pretraining budget ...")
+    assert flag(build, "--pretrain_tokens_per_parameter") == "12"
+    assert (flag(stage_calls(calls, "reward.py")[0], "--lr"), flag(stage_calls(calls, "reward.py")[0], "--num_train_epochs")) == ("3e-4", "8")
     result, calls = run(checkout, 0, ARCH="mamba")
     assert result.returncode == 2 and "ARCH: 'mamba' is none of: gpt_neox llama qwen3" in result.stderr and not calls
 
