@@ -71,12 +71,12 @@ from torch.utils.data import DataLoader
 from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.evaluation import ValidationQueries, final_evaluation, validate
 from summarize_from_feedback_details.infra.checkpoints import Resumable
-from summarize_from_feedback_details.infra.flags import RunArgs, parse_args
+from summarize_from_feedback_details.infra.flags import EngineArgs, RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import make_optimizer, start_run
-from summarize_from_feedback_details.infra.loading import (describe_frozen, enable_gradient_checkpointing, frozen_dtype,
-                                                           load_policy, load_reward_model, load_split_dataset,
-                                                           load_tokenizer, prepare_frozen, require_splits)
-from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
+from summarize_from_feedback_details.infra.loading import (describe_frozen, load_policy, load_policy_reference_reward,
+                                                           load_split_dataset, load_tokenizer, prepare_frozen,
+                                                           require_splits)
+from summarize_from_feedback_details.infra.lora import reference_policy
 from summarize_from_feedback_details.infra.tracking import PhaseTimer
 from summarize_from_feedback_details.rollout import (RolloutChunks, StalePolicy, compiled_step_for, decode_update,
                                                      staleness_metrics, with_next)
@@ -163,20 +163,6 @@ class MethodArgs:
     """queries per process for the per-update validation score and in the final eval"""
     gradient_checkpointing: Resumable[bool] = False
     """recompute the policy's activations in the backward pass: less memory, more compute, the same update"""
-    packing: bool = True
-    """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
-    compile_train: bool = False
-    """the packed forwards (and backward) of the trained model(s) under torch.compile (packing.py)"""
-    compile_decode: Resumable[bool] = True
-    """on a GPU, run the decode step under torch.compile with CUDA graphs (mode reduce-overhead) when the
-    weights are in the compute dtype; CPU runs, and autocast over fp32 weights, decode eagerly"""
-    free_decode_cache: Resumable[bool] = False
-    """with the compiled decode: free its static KV cache after each rollout, before the DPO step, at
-    the cost of recording the CUDA graphs again every update"""
-    async_worker: Resumable[Optional[str]] = None
-    """with --async_steps >= 1: a worker process on this device (cpu, cuda:1) samples the next update's rollouts"""
-    async_worker_threads: Resumable[int] = 1
-    """the CPU threads of --async_worker cpu"""
     deepspeed: Resumable[bool] = False
     """assert that accelerate runs DeepSpeed (ZeRO-2 for the policy) and give it our batch sizes"""
     offload: Resumable[bool] = False
@@ -185,9 +171,9 @@ class MethodArgs:
 
 
 @dataclass
-class Args(RunArgs, MethodArgs):
-    """Every flag of the stage: MethodArgs' (above), RunArgs' (infra/flags.py: naming, checkpoints, tracking,
-    LoRA), then this stage's own plumbing"""
+class Args(RunArgs, EngineArgs, MethodArgs):
+    """Every flag of the stage: MethodArgs' (above), EngineArgs' (infra/flags.py: the rollout engine's and packing's
+    memory and speed), RunArgs' (infra/flags.py: naming, checkpoints, tracking, LoRA), then this stage's own plumbing"""
 
     # this stage's run
     exp_name: Resumable[str] = os.path.basename(__file__)[: -len(".py")]
@@ -379,25 +365,6 @@ def implicit_rewards(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, 
     return beta * (policy_logprobs - ref_logprobs)
 
 
-def load_online_dpo_models(run, tokenizer) -> tuple:
-    """Policy and reference from the SFT checkpoint, the reward model from reward.py's. The policy in
-    fp32 master weights (a 4-bit NF4 base under --load_in_4bit), the frozen ones in the mixed-precision
-    dtype; with --use_peft the reference is the policy with its adapter disabled (None: no second copy)."""
-    args, accelerator = run.args, run.accelerator
-    policy = load_policy(args.sft_model_path, tokenizer, **quantization(args, accelerator.device))
-    reward_model = load_reward_model(args.reward_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
-    if args.use_peft:
-        policy, ref_policy = with_lora(policy, args), None
-    else:
-        ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(policy)
-    packing.enable(args.packing, policy, ref_policy, reward_model, share_prefixes=True)  # (a query's two samples)
-    packing.compile_for_training(args.compile_train, run.print, policy)
-    run.print(f"policy: {trainable_parameters(policy)}")
-    return policy, ref_policy, reward_model
-
-
 def online_dpo_metrics(accelerator, stats: torch.Tensor, batch_size: int) -> dict:
     """The objective/ and online_dpo/ metrics of an update from this process's sums `stats`
     (STAT_NAMES), reduced over processes: means over the global batch's samples or pairs."""
@@ -440,7 +407,7 @@ def main(args: Args) -> None:
 
     tokenizer = load_tokenizer(args.base_model, args.query_dataset)
     pad_id, eos_id, vocab_end = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
-    model, ref_policy, reward_model = load_online_dpo_models(run, tokenizer)
+    model, ref_policy, reward_model = load_policy_reference_reward(run, tokenizer)
     optimizer = make_optimizer(args, model)
 
     # One explicit query order for every rank and world size; accelerate hands rank r the local

@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader
 from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.evaluation import ValidationQueries, final_evaluation, validate
 from summarize_from_feedback_details.infra.checkpoints import Resumable
-from summarize_from_feedback_details.infra.flags import RunArgs, parse_args
+from summarize_from_feedback_details.infra.flags import EngineArgs, RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import gather_global, make_optimizer, start_run
 from summarize_from_feedback_details.infra.loading import (describe_frozen, enable_gradient_checkpointing, frozen_dtype,
                                                            load_policy, load_reward_model, load_split_dataset,
@@ -183,22 +183,6 @@ class MethodArgs:
     gradient_checkpointing: Resumable[bool] = False
     """recompute the policy's and critic's activations in the backward pass: less memory, about a third
     more compute in the PPO epochs, the same update"""
-    packing: bool = True
-    """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
-    compile_train: bool = False
-    """the packed forwards (and backward) of the trained model(s) under torch.compile (packing.py)"""
-    compile_decode: Resumable[bool] = True
-    """on a GPU, run the decode step under torch.compile with CUDA graphs (mode reduce-overhead) when
-    the weights are in the compute dtype (fp32, or bf16/fp16 under DeepSpeed); the first update pays
-    the compile. CPU runs, and autocast over fp32 weights, decode eagerly"""
-    free_decode_cache: Resumable[bool] = False
-    """with the compiled decode: free its static KV cache after each rollout, before the PPO epochs
-    (the first rollout prints its size: 5.0 GiB at Pythia-1B for 72 rows of 565 positions in bf16), at the
-    cost of recording the CUDA graphs again every update"""
-    async_worker: Resumable[Optional[str]] = None
-    """with --async_steps >= 1: a worker process on this device (cpu, cuda:1) samples the next update's rollouts"""
-    async_worker_threads: Resumable[int] = 1
-    """the CPU threads of --async_worker cpu"""
     deepspeed: Resumable[bool] = False
     """assert that accelerate runs DeepSpeed (ZeRO-2 for policy + critic) and give it our batch sizes"""
     offload: Resumable[bool] = False
@@ -207,9 +191,9 @@ class MethodArgs:
 
 
 @dataclass
-class Args(RunArgs, MethodArgs):
-    """Every flag of the stage: MethodArgs' (above), RunArgs' (infra/flags.py: naming, checkpoints, tracking,
-    LoRA), then this stage's own plumbing"""
+class Args(RunArgs, EngineArgs, MethodArgs):
+    """Every flag of the stage: MethodArgs' (above), EngineArgs' (infra/flags.py: the rollout engine's and packing's
+    memory and speed), RunArgs' (infra/flags.py: naming, checkpoints, tracking, LoRA), then this stage's own plumbing"""
 
     # this stage's run
     exp_name: Resumable[str] = os.path.basename(__file__)[: -len(".py")]

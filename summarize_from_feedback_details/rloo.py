@@ -21,8 +21,7 @@ REINFORCE samples, get a baseline for free!"), as TRL's RLOOTrainer ran it on TL
 - the whole response is one action: reward = score - kl_coef * (sum over response tokens of logprob - ref_logprob), the
   sequence-level k1 KL in the reward (TRL RLOOConfig kl_coef 0.05; its TL;DR recipe 0.03);
 - advantage = reward - mean reward of the query's other k-1 samples (k >= 2); rloo_k 2 (TRL's default and TL;DR recipe;
-  the paper's best TL;DR result used k=4); whitening over the global batch behind `--normalize_advantage` (off, as
-  TRL);
+  the paper's best TL;DR result used k=4); whitening over the global batch: `--normalize_advantage` (off, as TRL);
 - loss: TRL's PPO-clipped surrogate on the SEQUENCE log-ratio (the sum of the token log-ratios), cliprange 0.2;
   `--token_level_ratio` clips per token (the sequence advantage on every token, token losses summed per response, so at
   ratio 1 the gradient is the same); `--no_clip` is the paper's plain REINFORCE, loss = -advantage * log pi(response);
@@ -72,12 +71,12 @@ from torch.utils.data import DataLoader
 from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.evaluation import ValidationQueries, final_evaluation, validate
 from summarize_from_feedback_details.infra.checkpoints import Resumable
-from summarize_from_feedback_details.infra.flags import RunArgs, parse_args
+from summarize_from_feedback_details.infra.flags import EngineArgs, RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import gather_global, make_optimizer, start_run
-from summarize_from_feedback_details.infra.loading import (describe_frozen, enable_gradient_checkpointing, frozen_dtype,
-                                                           load_policy, load_reward_model, load_split_dataset,
-                                                           load_tokenizer, prepare_frozen, require_splits)
-from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
+from summarize_from_feedback_details.infra.loading import (describe_frozen, load_policy, load_policy_reference_reward,
+                                                           load_split_dataset, load_tokenizer, prepare_frozen,
+                                                           require_splits)
+from summarize_from_feedback_details.infra.lora import reference_policy
 from summarize_from_feedback_details.infra.tracking import PhaseTimer
 from summarize_from_feedback_details.rollout import (RolloutChunks, StalePolicy, chunk_batches, compiled_step_for,
                                                      decode_update, derived_seed, staleness_metrics, with_next)
@@ -182,20 +181,6 @@ class MethodArgs:
     """queries per process for the per-update validation score and in the final eval"""
     gradient_checkpointing: Resumable[bool] = False
     """recompute the policy's activations in the backward pass: less memory, more compute, the same update"""
-    packing: bool = True
-    """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
-    compile_train: bool = False
-    """the packed forwards (and backward) of the trained model(s) under torch.compile (packing.py)"""
-    compile_decode: Resumable[bool] = True
-    """on a GPU, run the decode step under torch.compile with CUDA graphs (mode reduce-overhead) when the weights
-    are in the compute dtype; CPU runs, and autocast over fp32 weights, decode eagerly"""
-    free_decode_cache: Resumable[bool] = False
-    """with the compiled decode: free its static KV cache after each rollout, at the cost of recording the CUDA
-    graphs again every update"""
-    async_worker: Resumable[Optional[str]] = None
-    """with --async_steps >= 1: a worker process on this device (cpu, cuda:1) samples the next update's rollouts"""
-    async_worker_threads: Resumable[int] = 1
-    """the CPU threads of --async_worker cpu"""
     deepspeed: Resumable[bool] = False
     """assert that accelerate runs DeepSpeed (ZeRO-2 for the policy) and give it our batch sizes"""
     offload: Resumable[bool] = False
@@ -203,9 +188,9 @@ class MethodArgs:
 
 
 @dataclass
-class Args(RunArgs, MethodArgs):
-    """Every flag of the stage: MethodArgs' (above), RunArgs' (infra/flags.py: naming, checkpoints, tracking,
-    LoRA), then this stage's own plumbing"""
+class Args(RunArgs, EngineArgs, MethodArgs):
+    """Every flag of the stage: MethodArgs' (above), EngineArgs' (infra/flags.py: the rollout engine's and packing's
+    memory and speed), RunArgs' (infra/flags.py: naming, checkpoints, tracking, LoRA), then this stage's own plumbing"""
 
     # this stage's run
     exp_name: Resumable[str] = os.path.basename(__file__)[: -len(".py")]
@@ -252,23 +237,17 @@ STAT_NAMES = ("pg_loss", "kl_loss", "approxkl", "clipfrac", "ratio", "ratio_devi
 
 
 def check_algorithm_flags(args: Args) -> None:
-    """Refuses the legal-looking settings that cannot learn or that learn something else, and a flag
-    that the chosen algorithm never reads (it would look like part of a run it did not change):
-    - rloo_k 1: a query's one sample has no other sample to be its baseline; GRPO's advantage is 0
-      for every sample (the weights move by weight decay alone), RLOO's the raw reward (biased);
-    - --no_clip over more than one minibatch step per batch (noptepochs or nminibatches > 1): plain
-      REINFORCE has no ratio, so every step after the first follows samples of an older policy with
-      nothing to correct for it (measured: the ratio reached 23,004 at epoch 3)."""
+    """Refuses settings that cannot learn or learn something else (rloo_k 1: no other sample to be a baseline;
+    --no_clip over several steps per batch: plain REINFORCE has no ratio to correct the later steps' older samples,
+    measured: the ratio reached 23,004 at epoch 3) and a flag the chosen algorithm never reads."""
     if args.rloo_k < 2:
-        raise ValueError(f"--rloo_k {args.rloo_k}: {args.algorithm} needs >= 2 samples per query (a sample's "
-                         "baseline is its group's other samples; with one, "
-                         + ("every advantage is 0)" if args.algorithm == "grpo" else "the advantage is the raw "
-                            "reward, a biased estimate)"))
+        one = "every advantage is 0" if args.algorithm == "grpo" else "the advantage is the raw reward (biased)"
+        raise ValueError(f"--rloo_k {args.rloo_k}: {args.algorithm} needs >= 2 samples per query (a sample's baseline "
+                         f"is its group's other samples; with one, {one})")
     if args.no_clip and (args.noptepochs > 1 or args.nminibatches > 1):
         raise ValueError(f"--no_clip with --noptepochs {args.noptepochs} --nminibatches {args.nminibatches}: plain "
                          "REINFORCE is on-policy, one step per batch; without a clipped ratio the later steps follow "
-                         "an older policy's samples uncorrected. Use --noptepochs 1 --nminibatches 1, or drop "
-                         "--no_clip")
+                         "an older policy's samples uncorrected. Use --noptepochs 1 --nminibatches 1, or no --no_clip")
     unread = ({"grpo_std": "sample", "grpo_loss": "grpo"} if args.algorithm == "rloo" else {"token_level_ratio": False})
     for name, default in unread.items():
         if getattr(args, name) != default:
@@ -294,8 +273,7 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     if (args.local_batch_size // args.rloo_k) % args.local_rollout_forward_batch_size:
         raise ValueError(f"the {args.local_batch_size // args.rloo_k} queries of a process per update are not "
                          f"divisible by --local_rollout_forward_batch_size {args.local_rollout_forward_batch_size}")
-    if args.local_generation_batch_size is None:
-        # the validation queries and one chunk's k samples
+    if args.local_generation_batch_size is None:  # the validation queries and one chunk's k samples
         args.local_generation_batch_size = (args.local_eval_batch_size
                                             + args.rloo_k * args.local_rollout_forward_batch_size)
     if args.local_generation_batch_size < 1:
@@ -486,22 +464,37 @@ def whiten(values: torch.Tensor) -> torch.Tensor:
     return (values - values.mean()) / (values.std() + 1e-8)
 
 
+def clipped_surrogate(ratio: torch.Tensor, advantage: torch.Tensor, cliprange: float) -> tuple:
+    """max(-A r, -A clip(r, 1 - c, 1 + c)) per ratio unit, and where the clipped term is the larger (PPO's surrogate)."""
+    unclipped = -advantage * ratio
+    clipped_losses = -advantage * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return torch.max(unclipped, clipped_losses), (clipped_losses > unclipped).float()
+
+
+def reinforce_losses(logprobs: torch.Tensor, advantage: torch.Tensor) -> torch.Tensor:
+    """-A log pi (the RLOO paper's plain REINFORCE): its gradient is the unclipped surrogate's at ratio 1."""
+    return -advantage * logprobs
+
+
+def response_means(token_values: torch.Tensor, mask: torch.Tensor, normaliser) -> torch.Tensor:
+    """Each response's sum over its real tokens divided by `normaliser`: its length (DeepSeekMath's 1/|o_i| sum_t), the
+    constant response_length (Dr. GRPO), or 1 (a sum: RLOO's per-token ratio)."""
+    return torch.where(mask, token_values, torch.zeros_like(token_values)).sum(1) / normaliser
+
+
 def policy_objective(new_logprobs: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                      advantages: torch.Tensor, mask: torch.Tensor, args: Args) -> tuple:
-    """The loss of each response (the caller averages over the minibatch's responses) and the ratio's
-    statistics. `mask`: real response tokens; `advantages`: one per response. Returns (losses, kl_losses (the
-    part of losses from GRPO's KL term), logratio, ratio, clipped, units), the last four per ratio unit:
-    [n] for the sequence ratio (rloo), [n, length] per token (grpo, --token_level_ratio) with `units` the mask.
-
-    rloo, sequence ratio r = exp(sum_t logp_t - logp_old_t): max(-A r, -A clip(r, 1 - c, 1 + c)) (TRL's RLOO).
-    Per token: the same with r_t and A on every token, summed over the response. --no_clip: -A log pi (REINFORCE,
-    summed over tokens), whose gradient is the unclipped ratio's at r = 1. grpo adds kl_coef x k3 per token and
-    divides each response's sum by its length (DeepSeekMath) or by response_length (Dr. GRPO)."""
-    zeros = torch.zeros_like(new_logprobs)
-    logratio = torch.where(mask, new_logprobs - logprobs, zeros)
-    match args.algorithm:
-        case "rloo" | "grpo":
-            per_token = args.algorithm == "grpo" or args.token_level_ratio
+    """Each response's loss (the caller averages over the minibatch's responses) under --algorithm (the module
+    docstring has the formulas), and the ratio's statistics: (losses, kl_losses (GRPO's KL term's part of losses),
+    logratio, ratio, clipped, units), the last four per ratio unit: [n] for RLOO's sequence ratio, [n, length] per
+    token (GRPO, --token_level_ratio) with `units` the mask (real response tokens)."""
+    logratio = torch.where(mask, new_logprobs - logprobs, torch.zeros_like(new_logprobs))
+    match args.algorithm:  # (the ratio's unit, what a response's token losses are divided by, the KL term's weight)
+        case "rloo":
+            per_token, normaliser, kl_coef = args.token_level_ratio, 1, None
+        case "grpo":
+            per_token, kl_coef = True, args.kl_coef
+            normaliser = mask.sum(1) if args.grpo_loss == "grpo" else mask.shape[1]
         case _:
             raise ValueError(f"--algorithm {args.algorithm}: no objective for it")
     if per_token:
@@ -510,20 +503,15 @@ def policy_objective(new_logprobs: torch.Tensor, logprobs: torch.Tensor, ref_log
         logratio, advantage, units = logratio.sum(1), advantages, torch.ones_like(advantages, dtype=torch.bool)
     ratio = torch.exp(logratio)
     if args.no_clip:
-        new = torch.where(mask, new_logprobs, zeros)
-        losses, clipped = -advantage * (new if per_token else new.sum(1)), torch.zeros_like(ratio)
+        new = torch.where(mask, new_logprobs, torch.zeros_like(new_logprobs))
+        losses, clipped = reinforce_losses(new if per_token else new.sum(1), advantage), torch.zeros_like(ratio)
     else:
-        unclipped = -advantage * ratio
-        clipped_losses = -advantage * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
-        losses, clipped = torch.max(unclipped, clipped_losses), (clipped_losses > unclipped).float()
+        losses, clipped = clipped_surrogate(ratio, advantage, args.cliprange)
     kl_losses = torch.zeros_like(advantages)
-    if args.algorithm == "grpo":
-        kl = args.kl_coef * torch.where(mask, k3_kl(new_logprobs, ref_logprobs), zeros)
-        normaliser = mask.sum(1) if args.grpo_loss == "grpo" else mask.shape[1]
-        kl_losses = kl.sum(1) / normaliser
-        losses = torch.where(mask, losses, zeros).sum(1) / normaliser + kl_losses
-    elif per_token:
-        losses = torch.where(mask, losses, zeros).sum(1)
+    if kl_coef is not None:
+        kl_losses = response_means(kl_coef * k3_kl(new_logprobs, ref_logprobs), mask, normaliser)
+    if per_token:
+        losses = response_means(losses, mask, normaliser) + kl_losses
     return losses, kl_losses, logratio, ratio, clipped, units
 
 
@@ -536,30 +524,6 @@ def ratio_stats(logratio, ratio, clipped, units, entropy, mask) -> torch.Tensor:
 
     return torch.stack([total(0.5 * logratio ** 2, units), total(clipped, units), total(ratio, units),
                         total((ratio - 1) ** 2, units), units.sum().float(), total(entropy, mask), mask.sum().float()])
-
-
-# ---------------------------------------------------------------------------------------------
-# models (evaluation.py measures the policy: per-update validation and --run_eval)
-# ---------------------------------------------------------------------------------------------
-
-
-def load_rloo_models(run, tokenizer) -> tuple:
-    """Policy and reference from the SFT checkpoint, the reward model from its checkpoint: the trained
-    policy in fp32 master weights (a 4-bit NF4 base under --load_in_4bit), the frozen ones in the
-    mixed-precision dtype; with --use_peft the reference is the policy with its adapter disabled (None)."""
-    args, accelerator = run.args, run.accelerator
-    policy = load_policy(args.sft_model_path, tokenizer, **quantization(args, accelerator.device))
-    reward_model = load_reward_model(args.reward_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
-    if args.use_peft:
-        policy, ref_policy = with_lora(policy, args), None
-    else:
-        ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(policy)
-    packing.enable(args.packing, policy, ref_policy, reward_model, share_prefixes=True)  # (a query's k samples)
-    packing.compile_for_training(args.compile_train, run.print, policy)
-    run.print(f"policy: {trainable_parameters(policy)}")
-    return policy, ref_policy, reward_model
 
 
 def rloo_update_metrics(accelerator, stats: torch.Tensor, scores, kl, rewards, advantages, logprobs, padding_mask,
@@ -623,7 +587,7 @@ def main(args: Args) -> None:
 
     tokenizer = load_tokenizer(args.base_model, args.query_dataset)
     pad_id, eos_id, vocab_end = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
-    policy, ref_policy, reward_model = load_rloo_models(run, tokenizer)
+    policy, ref_policy, reward_model = load_policy_reference_reward(run, tokenizer)
     optimizer = make_optimizer(args, policy)
 
     # One explicit query order for every rank and world size; accelerate hands rank r the local

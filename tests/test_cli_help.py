@@ -23,7 +23,7 @@ from summarize_from_feedback_details import (dpo, online_dpo, ppo_left_padding, 
                                              tiny_models)
 from summarize_from_feedback_details.infra import checkpoints
 from summarize_from_feedback_details.infra.checkpoints import resumable_fields
-from summarize_from_feedback_details.infra.flags import FOREIGN_FLAGS, RunArgs, flag_names, parse_args
+from summarize_from_feedback_details.infra.flags import FOREIGN_FLAGS, EngineArgs, RunArgs, flag_names, parse_args
 
 STAGES = {"sft": sft, "reward": reward, "dpo": dpo, "ppo_left_padding": ppo_left_padding, "rloo": rloo,
           "online_dpo": online_dpo, "tiny_models": tiny_models, "synthetic_tldr": synthetic_tldr}
@@ -224,6 +224,8 @@ def test_args_read_algorithm_first(stage):
     assert [section for _, section in order] == sorted(section for _, section in order), order
     assert order[0][1] == METHOD
     below = under_the_memory_and_speed_header(STAGES[stage].MethodArgs)
+    if issubclass(args_class, EngineArgs):  # (the online stages: the engine's knobs follow the method's)
+        below |= {f.name: True for f in dataclasses.fields(EngineArgs)}
     assert below == {name: section == MEMORY_AND_SPEED for name, section in order if section <= MEMORY_AND_SPEED}
     hints, resumable = typing.get_type_hints(args_class, include_extras=True), resumable_fields(args_class)
     for name, section in order:
@@ -257,4 +259,7 @@ def test_run_fields_are_declared_once_in_run_args(stage):
     assert issubclass(args_class, RunArgs) and issubclass(args_class, method_args)
     own = set(vars(method_args).get("__annotations__", {})) | set(vars(args_class).get("__annotations__", {}))
     assert not own & {f.name for f in dataclasses.fields(RunArgs)}
+    assert issubclass(args_class, EngineArgs) == (stage in ("ppo_left_padding", "rloo", "online_dpo"))
+    if issubclass(args_class, EngineArgs):  # (sft, reward and dpo declare their own --packing)
+        assert not own & {f.name for f in dataclasses.fields(EngineArgs)}
     assert {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(RunArgs)} <= set(flag_helps(args_class))

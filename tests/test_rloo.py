@@ -180,7 +180,7 @@ def test_query_major_layout():
 
 
 @pytest.mark.parametrize("flags, message", [
-    ({"rloo_k": 1}, r"--rloo_k 1: rloo needs >= 2 samples per query .* the advantage is the raw reward, a biased"),
+    ({"rloo_k": 1}, r"--rloo_k 1: rloo needs >= 2 samples per query .* the advantage is the raw reward \(biased\)"),
     ({"rloo_k": 1, "algorithm": "grpo"}, r"--rloo_k 1: grpo needs >= 2 samples per query .* every advantage is 0"),
     ({"no_clip": True, "noptepochs": 3}, r"--no_clip with --noptepochs 3 --nminibatches 1: plain REINFORCE is "
                                          r"on-policy, one step per batch"),

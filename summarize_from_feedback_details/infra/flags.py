@@ -1,6 +1,7 @@
 """The command line of the stages: nothing here changes a result but LoRA's settings, which DESIGN
-section 1 counts as plumbing. `RunArgs`: the flags every training stage shares, word for word; `parse_args`
-is tyro's, with our names for flags that TRL, CleanRL or the paper's scripts name differently.
+section 1 counts as plumbing. `RunArgs`: the flags every training stage shares, word for word; `EngineArgs`:
+those of the online stages' sampler and packed forwards; `parse_args` is tyro's, with our names for flags that
+TRL, CleanRL or the paper's scripts name differently.
 """
 
 import dataclasses
@@ -13,6 +14,30 @@ from typing import Literal, Optional
 import tyro
 
 from summarize_from_feedback_details.infra.checkpoints import Resumable
+
+
+@dataclass
+class EngineArgs:
+    """The memory and speed of the online stages' engines (rollout.py's sampler, packing.py's forwards), shared word
+    for word by ppo_left_padding.py, rloo.py and online_dpo.py: listed after the method's memory and speed knobs
+    (`class Args(RunArgs, EngineArgs, MethodArgs)`). None changes a sample; packing moves a result by float noise."""
+
+    packing: bool = True
+    """forwards on real tokens only (packing.py; the same result to float noise); --no_packing: padded"""
+    compile_train: bool = False
+    """the packed forwards (and backward) of the trained model(s) under torch.compile (packing.py)"""
+    compile_decode: Resumable[bool] = True
+    """on a GPU, run the decode step under torch.compile with CUDA graphs (mode reduce-overhead) when the weights
+    are in the compute dtype (fp32, or bf16/fp16 under DeepSpeed); the first update pays the compile. CPU runs,
+    and autocast over fp32 weights, decode eagerly"""
+    free_decode_cache: Resumable[bool] = False
+    """with the compiled decode: free its static KV cache after each rollout, before the training step (the first
+    rollout prints its size: 5.0 GiB at Pythia-1B for 72 rows of 565 positions in bf16), at the cost of recording
+    the CUDA graphs again every update"""
+    async_worker: Resumable[Optional[str]] = None
+    """with --async_steps >= 1: a worker process on this device (cpu, cuda:1) samples the next update's rollouts"""
+    async_worker_threads: Resumable[int] = 1
+    """the CPU threads of --async_worker cpu"""
 
 
 @dataclass

@@ -9,7 +9,8 @@ here changes a result that the stage does not name: it loads what the stage asks
   `check_model_tokenizer` refuse data and models of another tokenizer, `require_splits` a dataset
   without a split the run will need;
 - frozen DeepSpeed engines (`frozen_dtype`, `prepare_frozen`, `describe_frozen`): reference and
-  reward models as inference engines, ZeRO-3 with CPU offload under `--offload`.
+  reward models as inference engines, ZeRO-3 with CPU offload under `--offload`;
+- `load_policy_reference_reward`: the three models of the critic-free online stages (rloo.py, online_dpo.py).
 """
 
 import hashlib
@@ -22,6 +23,9 @@ import torch
 from accelerate import Accelerator
 from datasets import load_dataset, load_from_disk
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from summarize_from_feedback_details import packing
+from summarize_from_feedback_details.infra.lora import quantization, trainable_parameters, with_lora
 
 
 def looks_local(path: str) -> bool:
@@ -448,3 +452,23 @@ def describe_frozen(model) -> str:
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.module.parameters())
     return (f"DeepSpeed ZeRO-{model.zero_optimization_stage()} engine, {dtype}, parameter offload {device}, "
             f"{local} of {total} parameters resident on this rank")
+
+
+def load_policy_reference_reward(run, tokenizer) -> tuple:
+    """Policy and reference from the SFT checkpoint, the reward model from reward.py's (rloo.py, online_dpo.py):
+    the trained policy in fp32 master weights (a 4-bit NF4 base under --load_in_4bit), the frozen ones in the
+    mixed-precision dtype; with --use_peft the reference is the policy with its adapter disabled (None: no second
+    copy). Packed forwards share a query's prefix among its samples (the same result to float noise)."""
+    args, accelerator = run.args, run.accelerator
+    policy = load_policy(args.sft_model_path, tokenizer, **quantization(args, accelerator.device))
+    reward_model = load_reward_model(args.reward_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
+    if args.use_peft:
+        policy, ref_policy = with_lora(policy, args), None
+    else:
+        ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(policy)
+    packing.enable(args.packing, policy, ref_policy, reward_model, share_prefixes=True)
+    packing.compile_for_training(args.compile_train, run.print, policy)
+    run.print(f"policy: {trainable_parameters(policy)}")
+    return policy, ref_policy, reward_model
