@@ -18,7 +18,7 @@ after truncating after the EOS, a response without EOS scoring `--penalty_reward
 as PPO); the higher score is chosen, the lower rejected (a tie chooses the first sample, as the Async
 RLHF code's `first_half >= second_half`). Then ONE optimizer step on the DPO loss of these pairs
 against the frozen SFT reference: with h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)) over
-the response tokens up to and including the EOS, -logsigmoid(beta h) (`--ipo`, `--label_smoothing` as
+the response tokens up to and including the EOS, -logsigmoid(beta h) (`--loss_type ipo`, `--label_smoothing` as
 dpo.py), summed over the pairs and divided by the global number of pairs, so micro-batch size,
 accumulation and process count never change the update.
 
@@ -92,8 +92,9 @@ class MethodArgs:
     """inverse temperature of the implicit reward beta * (log pi - log ref) (the Async RLHF code's and TRL's 0.1)"""
     label_smoothing: float = 0.0
     """conservative DPO: the reward model's ranking is taken to be wrong with this probability"""
-    ipo: bool = False
-    """the IPO loss (h - 1 / (2 beta))^2 instead of DPO's"""
+    loss_type: Literal["dpo", "ipo"] = "dpo"
+    """`dpo`: -logsigmoid(beta h) (Rafailov et al. 2023; with --label_smoothing, conservative DPO); `ipo`:
+    (h - 1 / (2 beta))^2 (Azar et al. 2023), h the policy's minus the reference's chosen-rejected log-ratio"""
     truncate_token: Literal["eos"] = "eos"
     """responses are cut after their first EOS (the only choice, as in the paper's runs)"""
     penalty_reward_value: float = -1.0
@@ -245,6 +246,8 @@ def check_loss_args(args: Args) -> None:
         raise ValueError(f"--beta must be > 0, got {args.beta}")
     if not 0 <= args.label_smoothing < 0.5:
         raise ValueError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
+    if args.loss_type == "ipo" and args.label_smoothing:
+        raise ValueError("--label_smoothing does nothing under --loss_type ipo (IPO's loss has no label noise)")
 
 
 def epoch_permutations(n: int, epochs: int, seed: int) -> list:
@@ -350,14 +353,28 @@ def masked_sums(values: torch.Tensor, responses: torch.Tensor, eos_id: int) -> t
     return values.masked_fill(after_eos, 0).sum(1)
 
 
-def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-               ref_rejected: torch.Tensor, beta: float, label_smoothing: float, ipo: bool) -> torch.Tensor:
-    """Per-pair losses from summed log-probs, with h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)):
-    DPO -logsigmoid(beta h) (1 - ls) - logsigmoid(-beta h) ls; IPO (h - 1 / (2 beta))^2."""
-    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
-    if ipo:
-        return (h - 1 / (2 * beta)) ** 2
+def sigmoid_losses(h: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    """DPO's -logsigmoid(beta h), the ranking wrong with probability `label_smoothing` (conservative DPO)."""
     return -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
+
+
+def ipo_losses(h: torch.Tensor, beta: float) -> torch.Tensor:
+    """IPO's (h - 1 / (2 beta))^2: h regressed to a finite margin instead of pushed without bound."""
+    return (h - 1 / (2 * beta)) ** 2
+
+
+def preference_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+                      ref_rejected: torch.Tensor, loss_type: str, beta: float, label_smoothing: float) -> torch.Tensor:
+    """Per-pair losses from summed log-probs, h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)), under
+    --loss_type; a value without an arm here is refused, not run as another loss."""
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    match loss_type:
+        case "dpo":
+            return sigmoid_losses(h, beta, label_smoothing)
+        case "ipo":
+            return ipo_losses(h, beta)
+        case _:
+            raise ValueError(f"--loss_type {loss_type}: no preference loss for it")
 
 
 def implicit_rewards(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, beta: float) -> torch.Tensor:
@@ -402,7 +419,7 @@ def main(args: Args) -> None:
                     generates=True)
     accelerator, start_update = run.accelerator, run.start_update
     run.print_batch_arithmetic("episodes", f"{args.batch_size // 2} queries x 2 samples",
-                               f"{'IPO' if args.ipo else 'DPO'} loss, beta {args.beta}, label smoothing "
+                               f"{args.loss_type.upper()} loss, beta {args.beta}, label smoothing "
                                f"{args.label_smoothing}", f"offload {args.offload}")
 
     tokenizer = load_tokenizer(args.base_model, args.query_dataset)
@@ -505,8 +522,8 @@ def main(args: Args) -> None:
                 ref_chosen, ref_rejected = response_logprob_sums(reference, *inputs).chunk(2)
             with timer("training"), accelerator.accumulate(model):
                 policy_chosen, policy_rejected = response_logprob_sums(model, *inputs).chunk(2)
-                losses = dpo_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta,
-                                    args.label_smoothing, args.ipo)
+                losses = preference_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.loss_type,
+                                           args.beta, args.label_smoothing)
                 # this micro-batch's share of the mean over the global batch of pairs
                 loss = losses.sum() / queries_per_update
                 # accelerate divides by the accumulation steps and DDP averages over ranks: undo

@@ -249,7 +249,7 @@ def test_online_dpo_async_resume_equals_the_uninterrupted_run(tiny_datasets, che
                                                            async_steps=1), workdir)
     overlapped = dict(async_steps=1, async_worker="cpu")
     with monkeypatch.context() as patch:
-        signal_on_call(patch, online_dpo, "dpo_losses", 4 + 2)
+        signal_on_call(patch, online_dpo, "preference_losses", 4 + 2)
         with pytest.raises(SystemExit) as stopped:
             test_online_dpo.run_online_dpo(online_dpo_args(tiny_datasets, checkpoints, workdir, "stopped",
                                                            **overlapped), workdir)

@@ -127,6 +127,22 @@ def test_derive_batch_sizes():
         online_dpo.check_loss_args(online_dpo.Args(beta=0))
     with pytest.raises(ValueError, match="--label_smoothing must be in"):
         online_dpo.check_loss_args(online_dpo.Args(label_smoothing=0.5))
+    with pytest.raises(ValueError, match="--label_smoothing does nothing under --loss_type ipo"):
+        online_dpo.check_loss_args(online_dpo.Args(loss_type="ipo", label_smoothing=0.1))
+
+
+def test_preference_losses_known_answers_and_a_new_loss_type_is_refused():
+    """h = (2 - 0) - (0.5 - 0.5) = 2 and h = -1: DPO -logsigmoid(beta h), smoothed (1 - ls) -logsigmoid(beta h) +
+    ls -logsigmoid(-beta h); IPO (h - 1 / (2 beta))^2 = (2 - 1)^2, (-1 - 1)^2 at beta 0.5. A loss type without an arm
+    (set past tyro) is refused, not run as another loss."""
+    sums = torch.tensor([2.0, -1.0]), torch.zeros(2), torch.full((2,), 0.5), torch.full((2,), 0.5)
+    dpo_losses = online_dpo.preference_losses(*sums, "dpo", 0.5, 0.0)
+    assert dpo_losses.tolist() == pytest.approx([math.log1p(math.exp(-1.0)), math.log1p(math.exp(0.5))])
+    smoothed = online_dpo.preference_losses(*sums, "dpo", 0.5, 0.25)
+    assert smoothed[0].item() == pytest.approx(0.75 * math.log1p(math.exp(-1.0)) + 0.25 * math.log1p(math.exp(1.0)))
+    assert online_dpo.preference_losses(*sums, "ipo", 0.5, 0.0).tolist() == pytest.approx([1.0, 4.0])
+    with pytest.raises(ValueError, match="--loss_type hinge: no preference loss for it"):
+        online_dpo.preference_losses(*sums, "hinge", 0.5, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +290,7 @@ def test_the_first_step_trains_on_the_reward_models_choice_and_separates_those_p
         sums = [[online_dpo.response_logprob_sums(model, query_responses[r], responses[r], 0.7, EOS, PAD,
                                                   len(tokenizer)) for r in rows]
                 for model in (policy, reference)]
-    losses = online_dpo.dpo_losses(*sums[0], *sums[1], 0.1, 0.0, False)
+    losses = online_dpo.preference_losses(*sums[0], *sums[1], "dpo", 0.1, 0.0)
     chosen_rewards, rejected_rewards = (online_dpo.implicit_rewards(sums[0][i], sums[1][i], 0.1) for i in (0, 1))
     # (measured: loss 0.33, every pair separated)
     assert losses.mean() < 0.5 and (chosen_rewards > rejected_rewards).float().mean() >= 0.9
@@ -335,7 +351,7 @@ def test_ipo_and_label_smoothing_reach_the_loss(quick_eval_data, checkpoints, tm
     still log 2."""
     common = dict(total_episodes=8, local_micro_batch_size=8, gradient_accumulation_steps=1,
                   local_rollout_forward_batch_size=4, local_eval_batch_size=2)
-    (ipo,) = run_online_dpo(tiny_args(quick_eval_data, checkpoints, str(tmp_path), "ipo", ipo=True, **common),
+    (ipo,) = run_online_dpo(tiny_args(quick_eval_data, checkpoints, str(tmp_path), "ipo", loss_type="ipo", **common),
                             str(tmp_path))
     assert ipo["online_dpo/loss"] == pytest.approx(25.0, rel=1e-6)
     (smoothed,) = run_online_dpo(tiny_args(quick_eval_data, checkpoints, str(tmp_path), "smoothed",
@@ -405,7 +421,7 @@ def test_resume_after_a_signal_mid_update_equals_the_uninterrupted_run(split_run
     whole, p_whole = runs[2]
     stopped_args = args("stopped")
     with monkeypatch.context() as patch:
-        signal_on_call(patch, online_dpo, "dpo_losses", 4 + 2)
+        signal_on_call(patch, online_dpo, "preference_losses", 4 + 2)
         with pytest.raises(SystemExit) as stopped:
             run_online_dpo(stopped_args, workdir)
     assert stopped.value.code == CHECKPOINT_EXIT_CODE == 75

@@ -48,7 +48,7 @@ IDENTICAL_COPIES = [
     ("online_dpo", "ppo_left_padding", ("epoch_permutations", "first_true_indices", "truncate_response", "forward",
                                         "scaled_logits", "gather_logprobs", "response_logits", "get_reward",
                                         "penalize_missing_eos", "QUERY_COLUMNS")),
-    ("online_dpo", "dpo", ("dpo_losses", "implicit_rewards")),
+    ("online_dpo", "dpo", ("implicit_rewards",)),
     ("evaluation", "sft", ("first_true_indices", "truncate_response")),
     ("evaluation", "reward", ("get_reward",)),
 ]
