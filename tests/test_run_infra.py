@@ -4,6 +4,7 @@ sitting, define none of it and repeat none of it; and known answers of the piece
 import ast
 import importlib
 import inspect
+import itertools
 import json
 import os
 import pathlib
@@ -38,7 +39,8 @@ IDENTICAL_COPIES = [
     ("reward", "sft", ("derive_batch_sizes", "epoch_permutations")),
     ("dpo", "sft", ("derive_batch_sizes", "epoch_permutations", "first_true_indices", "truncate_response", "forward",
                     "generation_config", "without_stop_ids", "generate", "response_window")),
-    ("dpo", "reward", ("pair_table", "accuracy_breakdown")),
+    ("dpo", "reward", ("pair_table", "accuracy_breakdown", "EVAL_COLUMNS")),
+    ("dpo", "ppo_left_padding", ("QUERY_COLUMNS",)),
     ("ppo_left_padding", "sft", ("epoch_permutations", "first_true_indices", "truncate_response", "forward")),
     ("ppo_left_padding", "reward", ("get_reward",)),
     ("rloo", "ppo_left_padding", ("epoch_permutations", "first_true_indices", "truncate_response", "forward",
@@ -170,11 +172,31 @@ def test_copied_helpers_are_identical(copy, original, name):
         assert ours == theirs
 
 
+def module_constants(name: str) -> dict:
+    """A module's constants (upper-case names assigned at its top level): name -> value."""
+    names = {target.id for node in ast.parse(source(name)).body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+             if isinstance(target, ast.Name) and target.id.isupper()}
+    return {constant: getattr(module(name), constant) for constant in names}
+
+
+def unlisted_constant_copies(constants: dict, listed: set) -> list:
+    """(name, module, module) for each constant that two modules define with the same value (a copy) and that
+    `listed` does not name in both; the same name with another value is each module's own (STAT_NAMES)."""
+    return [(name, a, b) for (a, ours), (b, theirs) in itertools.combinations(constants.items(), 2)
+            for name in set(ours) & set(theirs)
+            if ours[name] == theirs[name] and not {(a, name), (b, name)} <= listed]
+
+
 def test_every_copied_helper_is_in_the_table():
-    """A helper defined in two modules of the package (stages and evaluation.py) is in IDENTICAL_COPIES,
-    so no copy drifts untested."""
+    """A helper or constant defined in two modules of the package (stages and evaluation.py) is in
+    IDENTICAL_COPIES, so no copy drifts untested (a constant: where the two values are equal)."""
     listed = {(copy, name) for copy, _, names in IDENTICAL_COPIES for name in names} | \
         {(original, name) for _, original, names in IDENTICAL_COPIES for name in names}
+    assert not unlisted_constant_copies({name: module_constants(name) for name in STAGES + ("evaluation",)}, listed)
+    # (the check can fail: a copy of QUERY_COLUMNS that the table does not name)
+    assert unlisted_constant_copies({"a": {"QUERY_COLUMNS": ("q",)}, "b": {"QUERY_COLUMNS": ("q",)}}, listed) == [
+        ("QUERY_COLUMNS", "a", "b")]
     # each online stage's batch arithmetic (rollouts, samples per query) is its own, under the name of
     # the one sft, reward and dpo share
     listed |= {(stage, "derive_batch_sizes") for stage in ONLINE_STAGES}
