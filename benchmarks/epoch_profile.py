@@ -53,7 +53,8 @@ class Args:
 
 
 def training_models(args: Args, forwards: str) -> tuple:
-    """The stage's trained pair as its load_models leaves them, and the stage's optimizer over both."""
+    """The stage's trained pair as its loader (loading.load_policy_reference_reward) leaves them, and the stage's
+    optimizer over both."""
     sft_path, rm_path = ppo_speed.build_checkpoints(args.shape, args.cache_dir, args.seed)
     tokenizer = loading.load_tokenizer(sft_path)
     policy, critic = loading.load_policy(sft_path, tokenizer), loading.load_reward_model(rm_path, tokenizer)

@@ -60,10 +60,10 @@ from summarize_from_feedback_details.evaluation import ValidationQueries, final_
 from summarize_from_feedback_details.infra.checkpoints import Resumable
 from summarize_from_feedback_details.infra.flags import EngineArgs, RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import gather_global, make_optimizer, start_run
-from summarize_from_feedback_details.infra.loading import (describe_frozen, enable_gradient_checkpointing, frozen_dtype,
-                                                           load_policy, load_reward_model, load_split_dataset,
-                                                           load_tokenizer, prepare_frozen)
-from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
+from summarize_from_feedback_details.infra.loading import (describe_frozen, load_policy, load_policy_reference_reward,
+                                                           load_split_dataset, load_tokenizer, prepare_frozen,
+                                                           require_splits)
+from summarize_from_feedback_details.infra.lora import reference_policy
 from summarize_from_feedback_details.infra.tracking import PhaseTimer, explained_variance
 from summarize_from_feedback_details.rollout import (RolloutChunks, StalePolicy, compiled_step_for, decode_update,
                                                      derived_seed, staleness_metrics, with_next)
@@ -519,33 +519,34 @@ class PolicyAndValueWrapper(torch.nn.Module):
                 response_values(self.critic, query_responses, self.pad_id, response_length))
 
 
-# ---------------------------------------------------------------------------------------------
-# models (evaluation.py measures the policy: per-update validation and --run_eval)
-# ---------------------------------------------------------------------------------------------
-
-
-def load_models(run, tokenizer) -> tuple:
-    """The four models of the paper's PPO: policy and reference from the SFT checkpoint, critic (head
-    included) and reward model from the reward-model checkpoint. Returns (policy and critic in one
-    `PolicyAndValueWrapper`, reference, reward model). The trained ones in fp32 master weights (4-bit
-    NF4 bases under --load_in_4bit), the frozen ones in the mixed-precision dtype; with --use_peft the
-    reference is the policy with its adapter disabled (None: no second copy of the weights)."""
-    args, accelerator = run.args, run.accelerator
-    quantized = quantization(args, accelerator.device)
-    policy = load_policy(args.sft_model_path, tokenizer, **quantized)
-    critic = load_reward_model(args.reward_model_path, tokenizer, **quantized)  # critic = the RM, head included
-    reward_model = load_reward_model(args.reward_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
-    if args.use_peft:
-        policy, critic, ref_policy = with_lora(policy, args), with_lora(critic, args, head="score"), None
-    else:
-        ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(policy)
-        enable_gradient_checkpointing(critic)
-    packing.enable(args.packing, policy, critic, reward_model, ref_policy)
-    packing.compile_for_training(args.compile_train, run.print, policy, critic)
-    run.print(f"policy: {trainable_parameters(policy)}; critic: {trainable_parameters(critic)}")
-    return PolicyAndValueWrapper(policy, critic, tokenizer.pad_token_id), ref_policy, reward_model
+def rollout_forwards(model: PolicyAndValueWrapper, ref_policy, reward_model, stale, chunks, timer, accelerator,
+                     temperature: float, ids: tuple) -> tuple:
+    """The no-grad forwards over the rollout's (group, (response, logprob)) chunks, concatenated: (responses,
+    logprobs (the sampler's, or the learner's for stale samples), ref_logprobs, values, scores, log_ratios (learner
+    minus sampler: 0 on fresh samples)). `ids`: (pad_id, eos_id, vocab_end)."""
+    pad_id, eos_id, vocab_end = ids
+    scored = []
+    for group, (response, logprob) in chunks:
+        query_response = torch.cat([group.queries, response], 1)
+        sampled_logprob = logprob
+        if stale.staleness():
+            with timer("learner_forward"), accelerator.autocast():
+                logprob = learner_logprobs(model.policy, query_response, response, temperature, pad_id, vocab_end)
+        with timer("reference_forward"), accelerator.autocast():
+            # the reference sees the raw response, with the same temperature scaling
+            with reference_policy(model.policy, ref_policy) as reference:
+                ref_logits = response_logits(reference, query_response, pad_id, response.shape[1])
+            ref_logprob = gather_logprobs(scaled_logits(ref_logits, temperature, pad_id, vocab_end), response)
+            del ref_logits
+        with timer("value_forward"), accelerator.autocast():
+            # values[t] = V(query + response[:t]), on the raw response
+            value = response_values(model.critic, query_response, pad_id, response.shape[1]).float()
+        with timer("reward_forward"), accelerator.autocast():
+            # the reward model scores the EOS-truncated response at its EOS
+            postprocessed = truncate_response(response, eos_id, pad_id)
+            score = get_reward(reward_model, torch.cat([group.queries, postprocessed], 1), pad_id).float()
+        scored.append((response, logprob, ref_logprob, value, score, logprob - sampled_logprob))
+    return tuple(torch.cat(x) for x in zip(*scored))
 
 
 def update_metrics(accelerator, stats: torch.Tensor, kl, non_score_reward, scores, logprobs, padding_mask,
@@ -593,8 +594,7 @@ def update_metrics(accelerator, stats: torch.Tensor, kl, non_score_reward, score
 
 def main(args: Args) -> None:
     dataset = load_split_dataset(args.query_dataset, QUERY_COLUMNS)
-    if "train" not in dataset or "validation" not in dataset:
-        raise ValueError(f"{args.query_dataset} needs `train` and `validation` splits")
+    require_splits(dataset, args.query_dataset, ("train", "validation"), "ppo_left_padding.py")
     derive_batch_sizes(args, int(os.environ.get("WORLD_SIZE", "1")))
     # a checkpoint continues on any process count, for the same stage, seed and batch arithmetic
     # (and rollout chunk, which fixes where each chunk's sampling noise comes from)
@@ -610,7 +610,9 @@ def main(args: Args) -> None:
 
     tokenizer = load_tokenizer(args.base_model, args.query_dataset)
     pad_id, eos_id, vocab_end = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
-    model, ref_policy, reward_model = load_models(run, tokenizer)
+    policy, critic, ref_policy, reward_model = load_policy_reference_reward(run, tokenizer, with_critic=True,
+                                                                          share_prefixes=False)  # (one sample a query)
+    model = PolicyAndValueWrapper(policy, critic, pad_id)
     optimizer = make_optimizer(args, model, groups=(model.policy, model.critic))  # (learning_rates sets each)
 
     # One explicit query order for every rank and world size; accelerate hands rank r the local
@@ -670,33 +672,12 @@ def main(args: Args) -> None:
             validation_metrics = validate(run, reward_model, tokenizer, validation_batch, validation_generated, logger,
                                         update)
 
-        # ---- rollout scoring --------------------------------------------------------------
+        # ---- rollout scoring: the reference's log-probs, the critic's values, the reward model's scores -----
         with torch.no_grad():
-            chunks = []
-            for group, (response, logprob) in zip(rollout_groups, rollout_generated):
-                query = group.queries
-                query_response = torch.cat([query, response], 1)
-                sampled_logprob = logprob
-                if stale.staleness():
-                    with timer("learner_forward"), accelerator.autocast():
-                        logprob = learner_logprobs(unwrapped.policy, query_response, response, temperature, pad_id,
-                                                   vocab_end)
-                with timer("reference_forward"), accelerator.autocast():
-                    # the reference sees the raw response, with the same temperature scaling
-                    with reference_policy(unwrapped.policy, ref_policy) as reference:
-                        ref_logits = response_logits(reference, query_response, pad_id, response.shape[1])
-                    ref_logprob = gather_logprobs(scaled_logits(ref_logits, temperature, pad_id, vocab_end), response)
-                    del ref_logits
-                with timer("value_forward"), accelerator.autocast():
-                    # values[t] = V(query + response[:t]), on the raw response
-                    value = response_values(unwrapped.critic, query_response, pad_id, response.shape[1]).float()
-                with timer("reward_forward"), accelerator.autocast():
-                    # the reward model scores the EOS-truncated response at its EOS
-                    postprocessed = truncate_response(response, eos_id, pad_id)
-                    score = get_reward(reward_model, torch.cat([query, postprocessed], 1), pad_id).float()
-                chunks.append((response, logprob, ref_logprob, value, score, logprob - sampled_logprob))
+            responses, logprobs, ref_logprobs, values, scores, log_ratios = rollout_forwards(
+                unwrapped, ref_policy, reward_model, stale, zip(rollout_groups, rollout_generated), timer, accelerator,
+                temperature, (pad_id, eos_id, vocab_end))
             with timer("advantages"):
-                responses, logprobs, ref_logprobs, values, scores, log_ratios = (torch.cat(x) for x in zip(*chunks))
                 query_responses = torch.cat([queries, responses], 1)
                 postprocessed_responses = truncate_response(responses, eos_id, pad_id)
                 contain_eos = (postprocessed_responses == eos_id).any(-1)

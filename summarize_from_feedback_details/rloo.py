@@ -587,7 +587,7 @@ def main(args: Args) -> None:
 
     tokenizer = load_tokenizer(args.base_model, args.query_dataset)
     pad_id, eos_id, vocab_end = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
-    policy, ref_policy, reward_model = load_policy_reference_reward(run, tokenizer)
+    policy, _, ref_policy, reward_model = load_policy_reference_reward(run, tokenizer)
     optimizer = make_optimizer(args, policy)
 
     # One explicit query order for every rank and world size; accelerate hands rank r the local

@@ -29,7 +29,7 @@ SHARED = INFRA + ("rollout",)
 # lines of a shared module (DESIGN.md section 1): evaluation.py and packing.py are shared too
 SHARED_MODULE_BUDGET = 500
 # lines of the file / of main() (DESIGN.md section 1); PPO's update loop stays in main(), <= 160 lines
-BUDGETS = {"sft": (500, 150), "reward": (600, 150), "dpo": (600, 150), "ppo_left_padding": (850, 220),
+BUDGETS = {"sft": (500, 150), "reward": (600, 150), "dpo": (600, 150), "ppo_left_padding": (800, 200),
            "rloo": (750, 200), "online_dpo": (575, 180)}
 PPO_LOOP_BUDGET = 160
 # Every copy of a small algorithm helper, in one place: what can change a result stays in each stage

@@ -454,21 +454,27 @@ def describe_frozen(model) -> str:
             f"{local} of {total} parameters resident on this rank")
 
 
-def load_policy_reference_reward(run, tokenizer) -> tuple:
-    """Policy and reference from the SFT checkpoint, the reward model from reward.py's (rloo.py, online_dpo.py):
-    the trained policy in fp32 master weights (a 4-bit NF4 base under --load_in_4bit), the frozen ones in the
-    mixed-precision dtype; with --use_peft the reference is the policy with its adapter disabled (None: no second
-    copy). Packed forwards share a query's prefix among its samples (the same result to float noise)."""
+def load_policy_reference_reward(run, tokenizer, with_critic: bool = False, share_prefixes: bool = True) -> tuple:
+    """The online stages' models: (policy, critic, reference, reward model). Policy and reference from the SFT
+    checkpoint, the reward model from reward.py's and, `with_critic` (PPO), the critic from it too, head included
+    (the paper's; else None). The trained ones in fp32 master weights (4-bit NF4 bases under --load_in_4bit), the
+    frozen ones in the mixed-precision dtype; with --use_peft the reference is the policy with its adapter disabled
+    (None: no second copy). `share_prefixes`: packed forwards compute a prefix that rows share once (rloo.py and
+    online_dpo.py sample each query several times; the same result to float noise)."""
     args, accelerator = run.args, run.accelerator
-    policy = load_policy(args.sft_model_path, tokenizer, **quantization(args, accelerator.device))
-    reward_model = load_reward_model(args.reward_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
+    quantized, frozen = quantization(args, accelerator.device), frozen_dtype(accelerator.mixed_precision)
+    policy = load_policy(args.sft_model_path, tokenizer, **quantized)
+    critic = load_reward_model(args.reward_model_path, tokenizer, **quantized) if with_critic else None
+    reward_model = load_reward_model(args.reward_model_path, tokenizer, frozen)
     if args.use_peft:
         policy, ref_policy = with_lora(policy, args), None
+        critic = with_lora(critic, args, head="score") if with_critic else None
     else:
-        ref_policy = load_policy(args.sft_model_path, tokenizer, frozen_dtype(accelerator.mixed_precision))
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(policy)
-    packing.enable(args.packing, policy, ref_policy, reward_model, share_prefixes=True)
-    packing.compile_for_training(args.compile_train, run.print, policy)
-    run.print(f"policy: {trainable_parameters(policy)}")
-    return policy, ref_policy, reward_model
+        ref_policy = load_policy(args.sft_model_path, tokenizer, frozen)
+    trained = [model for model in (policy, critic) if model is not None]
+    for model in trained if args.gradient_checkpointing else ():
+        enable_gradient_checkpointing(model)
+    packing.enable(args.packing, *trained, reward_model, ref_policy, share_prefixes=share_prefixes)
+    packing.compile_for_training(args.compile_train, run.print, *trained)
+    run.print("; ".join(f"{name}: {trainable_parameters(model)}" for name, model in zip(("policy", "critic"), trained)))
+    return policy, critic, ref_policy, reward_model
