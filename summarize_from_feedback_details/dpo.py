@@ -31,7 +31,6 @@ Carried out by the shared loaders (`infra/`), as in the paper's code: a dedicate
 EOS), dropout off in the policy and the reference, and each process seeded with seed + rank x 100003.
 """
 
-import contextlib
 import functools
 import os
 import time
@@ -46,6 +45,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
+from summarize_from_feedback_details.evaluation import GENERATION_COLUMNS, generation_rows
 from summarize_from_feedback_details.infra.checkpoints import Resumable
 from summarize_from_feedback_details.infra.flags import RunArgs, parse_args
 from summarize_from_feedback_details.infra.launch import make_optimizer, quiet_libraries, start_run
@@ -55,7 +55,7 @@ from summarize_from_feedback_details.infra.loading import (describe_frozen, enab
 from summarize_from_feedback_details.infra.lora import quantization, reference_policy, trainable_parameters, with_lora
 from summarize_from_feedback_details.infra.tracking import PhaseTimer
 quiet_libraries()  # before transformers' optimization module, whose import of bitsandbytes (by peft) warns
-from transformers import GenerationConfig, get_scheduler  # noqa: E402
+from transformers import get_scheduler  # noqa: E402
 
 
 @dataclass
@@ -206,13 +206,6 @@ def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     return torch.min(zero_or_index, dim=-1).values
 
 
-def truncate_response(responses: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:
-    """Tokens strictly after the first EOS become pad; the EOS itself stays."""
-    eos_index = first_true_indices(responses == eos_id).unsqueeze(-1)
-    after = torch.arange(responses.shape[1], device=responses.device).view(1, -1) > eos_index
-    return torch.masked_fill(responses, after, pad_id)
-
-
 def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0) -> torch.Tensor:
     """Logits. Pad ids become a valid id and are masked out; positions count real tokens only (so left
     padding changes nothing, also for models with absolute positions). No KV cache: nothing generates
@@ -225,41 +218,6 @@ def forward(model, input_ids: torch.Tensor, pad_id: int, logits_to_keep: int = 0
         return packing.lm_logits(model, input_ids, attention_mask, position_ids, logits_to_keep)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                  logits_to_keep=logits_to_keep, return_dict=True).logits
-
-
-def generation_config(response_length: int, temperature: float, pad_id: int, vocab_end: int, rows: int):
-    """Exactly `response_length` new tokens: no EOS/pad stopping, no top-k/top-p; `[PAD]` and the ids from
-    `vocab_end` (len(tokenizer)) to the embedding's `rows`, which no token has, are never sampled."""
-    return GenerationConfig(
-        max_new_tokens=response_length, min_new_tokens=response_length, temperature=temperature + 1e-7,
-        top_k=0, top_p=1.0, do_sample=True, eos_token_id=None, pad_token_id=None, bos_token_id=None,
-        suppress_tokens=[pad_id, *range(vocab_end, rows)],
-    )
-
-
-@contextlib.contextmanager
-def without_stop_ids(model):
-    """generate() fills unset fields from the model's own generation config: an EOS id there would
-    make min_new_tokens suppress EOS at every step, so the policy could never emit it. Cleared for
-    the call only, so a saved model's plain generate() still stops at EOS."""
-    saved = model.generation_config.eos_token_id, model.generation_config.pad_token_id
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
-    try:
-        yield
-    finally:
-        model.generation_config.eos_token_id, model.generation_config.pad_token_id = saved
-
-
-@torch.no_grad()
-def generate(model, queries: torch.Tensor, pad_id: int, config: GenerationConfig) -> torch.Tensor:
-    """Left-padded queries -> responses of exactly max_new_tokens tokens."""
-    attention_mask = queries != pad_id
-    with without_stop_ids(model):
-        output = model.generate(input_ids=torch.masked_fill(queries, ~attention_mask, 0),
-                                attention_mask=attention_mask, generation_config=config)
-    responses = output[:, queries.shape[1]:]
-    assert responses.shape[1] == config.max_new_tokens, "generation stopped early"
-    return responses
 
 
 def check_dpo_args(args: Args) -> None:
@@ -383,25 +341,14 @@ def evaluate_pairs(args: Args, accelerator: Accelerator, model, ref_policy, pad_
             "rejected_rewards": rejected.mean().item(), "reward_margin": (chosen - rejected).mean().item()}, table
 
 
-@torch.no_grad()
 def generation_table(args: Args, accelerator: Accelerator, model, tokenizer, dataloader) -> pd.DataFrame:
-    """The policy's response (at `args.temperature`) to every query of a split, truncated after EOS, next to the
-    reference: the table eval/ judges. Gathered without the duplicates that sharding pads the last batch with."""
-    pad_id, eos_id, unwrapped = tokenizer.pad_token_id, tokenizer.eos_token_id, accelerator.unwrap_model(model)
-    config = generation_config(args.response_length, args.temperature, pad_id, len(tokenizer), unwrapped.config.vocab_size)
-    rows = []
-    for batch in dataloader:
-        responses = truncate_response(generate(unwrapped, batch["query_token"], pad_id, config), eos_id, pad_id)
-        rows += accelerator.gather_for_metrics([
-            {"query": q, "postprocessed_response": r, "reference_responses": ref, "contain_eos": eos}
-            for q, r, ref, eos in zip(
-                tokenizer.batch_decode(batch["query_token"], skip_special_tokens=True),
-                tokenizer.batch_decode(responses, skip_special_tokens=True),
-                tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True),
-                (responses == eos_id).any(-1).tolist(),  # (whether the policy ended it: hello_world_report)
-            )
-        ], use_gather_object=True)
-    return pd.DataFrame(rows, columns=["query", "postprocessed_response", "reference_responses", "contain_eos"])
+    """The policy's response (at `args.temperature`, through the rollout engine: evaluation.py's generation_rows) to
+    every query of a split, truncated after EOS, next to the reference: the table eval/ judges."""
+    rows, unwrapped = [], accelerator.unwrap_model(model)
+    for i, batch in enumerate(dataloader):
+        rows += generation_rows(accelerator, unwrapped, tokenizer, batch, args.temperature, args.response_length,
+                                args.seed, i)
+    return pd.DataFrame(rows, columns=GENERATION_COLUMNS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ its stage file; how its policy is measured lives here.
 - `final_evaluation` (`evaluate_policy` per split): after training (`--run_eval`), every validation
   and test query sampled through the rollout engine at the evaluation temperature, scored against
   the reference summaries.
+- `generation_rows`: the tables of sft.py and dpo.py (no reward model to score with), sampled by the
+  same engine from the same seeds, so that SFT, the baseline of every "minus SFT", is sampled as the
+  policies compared with it are.
 
 The reward model is read as every stage reads it: at the EOS-truncated response's last real token,
 without the EOS penalty (the paper's evaluation). `truncate_response` and `get_reward` are the
@@ -29,6 +32,8 @@ EVAL_COLUMNS = ["query_token", "reference_response_token"]
 # the reward model reads it at its last token), so that a reader of the text scores what was scored
 TABLE_COLUMNS = ["query", "postprocessed_response", "reference_responses", "scores", "reference_scores",
                  "contain_eos"]
+# the table of a policy that no reward model scores (sft.py, dpo.py; eval/ judges it)
+GENERATION_COLUMNS = ["query", "postprocessed_response", "reference_responses", "contain_eos"]
 # derived_seed's first number after the run's seed: 0 rollouts, 1 per-update validation, 2 minibatch
 # permutations (in the stages), 3 the final evaluation
 EVAL_STREAM = 3
@@ -139,6 +144,25 @@ def final_eval_group(queries: torch.Tensor, temperature: float, seed: int, batch
     drew from the global generator before)."""
     place = batch * accelerator.num_processes + accelerator.process_index
     return SamplingGroup(queries, temperature, derived_seed(seed, EVAL_STREAM, place))
+
+
+@torch.no_grad()
+def generation_rows(accelerator, policy, tokenizer, batch: dict, temperature: float, response_length: int, seed: int,
+                    batch_index: int) -> list:
+    """The table rows (GENERATION_COLUMNS) of eval batch `batch_index`: its queries sampled through the rollout
+    engine (`final_eval_group`'s seed), truncated after EOS, next to the references; gathered over processes
+    without the duplicates that sharding pads the last batch with."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    group = final_eval_group(batch["query_token"], temperature, seed, batch_index, accelerator)
+    with accelerator.autocast():
+        ((responses, _),) = decode(policy, [group], pad_id, len(tokenizer), response_length)
+    responses = truncate_response(responses, eos_id, pad_id)
+    return accelerator.gather_for_metrics([dict(zip(GENERATION_COLUMNS, values)) for values in zip(
+        tokenizer.batch_decode(batch["query_token"], skip_special_tokens=True),
+        tokenizer.batch_decode(responses, skip_special_tokens=True),
+        tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True),
+        (responses == eos_id).any(-1).tolist(),  # (whether the policy ended it: hello_world_report)
+    )], use_gather_object=True)
 
 
 def evaluate_policy(accelerator, policy, reward_model, tokenizer, dataloader, temperature: float,

@@ -20,10 +20,11 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           GPT2ForSequenceClassification, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
                           GPTNeoXForSequenceClassification, LlamaForCausalLM)
 
+import hf_generate
 from conftest import (BackendFailingAfterFirst, accelerate_launcher, command_line_flags, is_wall_clock, ratios_near_one,
                       tiny_llama_config, run_in_process, run_script, run_until_signalled, signal_on_call, without_rates, side_by_side)
 from summarize_from_feedback_details import ppo_left_padding as ppo
-from summarize_from_feedback_details import evaluation, packing, reward, rollout, sft
+from summarize_from_feedback_details import dpo, evaluation, packing, reward, rollout, sft
 from summarize_from_feedback_details.infra import loading, lora, tracking
 from summarize_from_feedback_details.infra.checkpoints import CHECKPOINT_EXIT_CODE
 from summarize_from_feedback_details.infra.launch import make_optimizer
@@ -77,8 +78,8 @@ def test_truncation_after_eos_known_answer_and_same_as_sft():
         [5, 0, 1, 1, 1], [5, 6, 7, 8, 0], [5, 6, 7, 8, 9], [0, 1, 1, 1, 1]]
     torch.manual_seed(0)
     random = torch.randint(0, 6, (64, 12))
-    assert torch.equal(ppo.truncate_response(random, EOS, PAD), sft.truncate_response(random, EOS, PAD))
-    assert torch.equal(ppo.first_true_indices(random == 3), sft.first_true_indices(random == 3))
+    assert torch.equal(ppo.truncate_response(random, EOS, PAD), evaluation.truncate_response(random, EOS, PAD))
+    assert torch.equal(ppo.first_true_indices(random == 3), evaluation.first_true_indices(random == 3))
 
 
 def test_copied_helpers_behave_like_sft_and_reward():
@@ -373,7 +374,7 @@ def hf_samples(model, queries, temperature, seed, length):
     """What HF generate samples for `queries` alone under torch.manual_seed(seed)."""
     torch.manual_seed(seed)
     rows = model.config.vocab_size  # (every row a token: nothing past the tokenizer to suppress)
-    return sft.generate(model, queries, PAD, sft.generation_config(length, temperature, PAD, rows, rows))
+    return hf_generate.generate(model, queries, PAD, hf_generate.generation_config(length, temperature, PAD, rows, rows))
 
 
 @pytest.mark.parametrize("kind", ["gpt_neox", "gpt2", "llama"])
@@ -434,7 +435,7 @@ def test_final_evaluation_samples_through_the_engine(tokenizer, temperature, one
               {"query_token": queries[3:], "reference_response_token": references[3:]}]
     metrics, table = evaluation.evaluate_policy(fake_accelerator(), policy, rm, tokenizer, loader, temperature, 6,
                                                 seed=5)
-    expected = torch.cat([sft.truncate_response(hf_samples(policy, batch["query_token"], temperature,
+    expected = torch.cat([ppo.truncate_response(hf_samples(policy, batch["query_token"], temperature,
                                                            rollout.derived_seed(5, 3, b), 6), EOS, PAD)
                           for b, batch in enumerate(loader)])
     assert list(table["postprocessed_response"]) == tokenizer.batch_decode(expected, skip_special_tokens=True)
@@ -447,6 +448,36 @@ def test_final_evaluation_samples_through_the_engine(tokenizer, temperature, one
     assert metrics["scores"] == pytest.approx(scores.mean().item(), abs=1e-6)
     group = evaluation.final_eval_group(queries, temperature, 5, 4, fake_accelerator(processes=2, rank=1))
     assert (group.seed, group.temperature) == (rollout.derived_seed(5, 3, 9), temperature)
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_sft_and_dpo_tables_sample_through_the_engine(tokenizer, stage, one_thread):
+    """sft.py's evaluation and dpo.py's generation table (no reward model to score with) sample as the online
+    stages' final evaluation does: batch b holds exactly what HF generate samples for it alone at the stage's
+    temperature under derived_seed(seed, 3, b), EOS-truncated, next to its reference (the SFT baseline of every
+    "minus SFT" is sampled by the engine that samples the policies compared with it)."""
+    vocab, policy = len(tokenizer), tiny_lm(len(tokenizer))
+    generator = torch.Generator().manual_seed(2)
+    queries = torch.randint(2, vocab, (5, 9), generator=generator)
+    for row, pad in enumerate([0, 3, 5, 1, 0]):
+        queries[row, :pad] = PAD
+    references = torch.cat([torch.randint(2, vocab, (5, 3), generator=generator), torch.full((5, 1), EOS)], 1)
+    loader = [{"query_token": q, "reference_response_token": r, "query_reference_response_token": torch.cat([q, r], 1)}
+              for q, r in ((queries[:3], references[:3]), (queries[3:], references[3:]))]
+    accelerator = types.SimpleNamespace(**{**vars(fake_accelerator()), "unwrap_model": lambda model: model,
+                                           "gather_for_metrics": lambda values, use_gather_object=False: values})
+    if stage == "sft":
+        args = sft.Args(response_length=6, temperature=0.7, seed=5)
+        _, table = sft.evaluate(args, accelerator, policy, tokenizer, loader)
+    else:
+        args = dpo.Args(response_length=6, temperature=0.7, seed=5)
+        table = dpo.generation_table(args, accelerator, policy, tokenizer, loader)
+    expected = torch.cat([ppo.truncate_response(hf_samples(policy, batch["query_token"], 0.7,
+                                                           rollout.derived_seed(5, 3, b), 6), EOS, PAD)
+                          for b, batch in enumerate(loader)])
+    assert list(table["postprocessed_response"]) == tokenizer.batch_decode(expected, skip_special_tokens=True)
+    assert list(table["contain_eos"]) == (expected == EOS).any(-1).tolist()
+    assert list(table["reference_responses"]) == tokenizer.batch_decode(references, skip_special_tokens=True)
 
 
 def test_compiled_decode_step_samples_what_eager_decode_samples(one_thread):

@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 
 from conftest import (accelerate_launcher, as_flags, assert_throughput, launched, run_in_process, run_script,
                       run_until_signalled, signal_on_call, tiny_llama_config, without_rates)
-from summarize_from_feedback_details import packing, sft
+from summarize_from_feedback_details import evaluation, packing, rollout, sft
 from summarize_from_feedback_details.infra import checkpoints, launch, lora, saving, tracking
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,19 +28,6 @@ DS_BF16_CONFIG = os.path.join(REPO, "tests", "accelerate_configs", "deepspeed_ze
 # ---------------------------------------------------------------------------------------------
 # pure helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def test_first_true_indices_and_truncate_after_eos():
-    eos, pad = 0, 1
-    responses = torch.tensor([
-        [5, 0, 7, 0, 8],   # EOS at 1: later tokens (and a second EOS) become pad
-        [5, 6, 7, 8, 0],   # EOS last
-        [5, 6, 7, 8, 9],   # no EOS: unchanged
-        [0, 6, 7, 8, 9],   # EOS first
-    ])
-    assert sft.first_true_indices(responses == eos).tolist() == [1, 4, 5, 0]
-    assert sft.truncate_response(responses, eos, pad).tolist() == [
-        [5, 0, 1, 1, 1], [5, 6, 7, 8, 0], [5, 6, 7, 8, 9], [0, 1, 1, 1, 1]]
 
 
 def test_sequence_losses_known_answer():
@@ -124,7 +111,7 @@ def tiny_lm(kind: str, vocab: int = 40):
 
 
 @pytest.mark.parametrize("kind", ["gpt_neox", "gpt2", "llama"])
-def test_forward_and_generate_ignore_left_padding(kind):
+def test_forward_and_sampling_ignore_left_padding(kind):
     pad = 1
     model = tiny_lm(kind)
     text = torch.tensor([[5, 6, 7, 8, 9]])
@@ -133,11 +120,9 @@ def test_forward_and_generate_ignore_left_padding(kind):
         a = sft.forward(model, text, pad)[:, -1]
         b = sft.forward(model, padded, pad)[:, -1]
     assert torch.allclose(a, b, atol=1e-5)
-    config = sft.generation_config(6, 0.01, pad, 40, 40)
-    torch.manual_seed(1)
-    ra = sft.generate(model, text, pad, config)
-    torch.manual_seed(1)
-    rb = sft.generate(model, padded, pad, config)
+    # the evaluation's sampler, the rollout engine (evaluation.generation_rows)
+    ((ra, _),) = rollout.decode(model, [rollout.SamplingGroup(text, 0.01, 1)], pad, 40, 6)
+    ((rb, _),) = rollout.decode(model, [rollout.SamplingGroup(padded, 0.01, 1)], pad, 40, 6)
     assert ra.shape == (1, 6) and torch.equal(ra, rb)
 
 
@@ -147,11 +132,10 @@ def test_pad_is_never_sampled_and_length_is_exact():
     pad, eos = 1, 0
     model = tiny_lm("gpt_neox")
     queries = torch.tensor([[pad, 5, 6], [7, 8, 9]])
-    torch.manual_seed(0)
-    responses = sft.generate(model, queries, pad, sft.generation_config(200, 1.0, pad, 40, 40))
+    ((responses, _),) = rollout.decode(model, [rollout.SamplingGroup(queries, 1.0, 0)], pad, 40, 200)
     assert responses.shape == (2, 200)
     assert (responses != pad).all()
-    first_eos = sft.first_true_indices(responses == eos)
+    first_eos = evaluation.first_true_indices(responses == eos)
     assert (first_eos < 150).all()  # EOS was sampled early, and generation went on to 200 tokens
 
 
@@ -854,9 +838,9 @@ def test_a_stop_signal_during_the_final_eval_ends_it_promptly(tiny_datasets, tok
     whole, p_whole = sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "whole", **common)
     generations = []
     with monkeypatch.context() as patch:
-        signal_on_call(patch, sft, "generate", 2)
-        original = sft.generate
-        patch.setattr(sft, "generate", lambda *a, **k: generations.append(1) or original(*a, **k))
+        signal_on_call(patch, sft, "generation_rows", 2)
+        original = sft.generation_rows
+        patch.setattr(sft, "generation_rows", lambda *a, **k: generations.append(1) or original(*a, **k))
         with pytest.raises(SystemExit) as stopped:
             sft_in_process(tiny_datasets, tokenizer_dir, str(tmp_path), "stopped", **common)
     batches = -(-len(load_from_disk(os.path.join(tiny_datasets[0], "sft"))["validation"]) // 16)

@@ -4,8 +4,8 @@ item 4). A model's embedding can have rows past `len(tokenizer)`: Qwen2.5/3 271 
 them likely (NeMo-RL#237, "Token id 151708 is out of vocabulary"). Here a Qwen3-style tiny model, loaded
 as every stage loads it, gets an LM-head bias that gives those ids nearly all the probability, so that
 any place that samples them or counts them in a normaliser shows it: the rollout engine (rollouts,
-per-update validation, the online stages' final evaluation), HF generate in sft.py's and dpo.py's
-evaluation, and `scaled_logits` in the policy's and the reference's forwards."""
+per-update validation, the online stages' final evaluation, sft.py's and dpo.py's evaluation tables) and
+`scaled_logits` in the policy's and the reference's forwards."""
 
 import contextlib
 import copy
@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+import hf_generate
 from summarize_from_feedback_details import dpo, evaluation, online_dpo
 from summarize_from_feedback_details import ppo_left_padding as ppo
 from summarize_from_feedback_details import rloo, rollout, sft, tiny_models
@@ -79,10 +80,10 @@ def left_padded_queries(pad: int, rows: int = 6, length: int = 8) -> torch.Tenso
 
 def hf_samples(model, queries, temperature: float, seed: int, pad: int, vocab_end: int) -> torch.Tensor:
     """What HF generate samples for `queries` alone under torch.manual_seed(seed), `[PAD]` and the ids
-    from `vocab_end` to the model's rows suppressed (sft.py's generation_config)."""
+    from `vocab_end` to the model's rows suppressed (hf_generate.generation_config)."""
     torch.manual_seed(seed)
-    config = sft.generation_config(RESPONSE, temperature, pad, vocab_end, model.config.vocab_size)
-    return sft.generate(model, queries, pad, config)
+    config = hf_generate.generation_config(RESPONSE, temperature, pad, vocab_end, model.config.vocab_size)
+    return hf_generate.generate(model, queries, pad, config)
 
 
 def test_rollout_engine_samples_no_spare_id_and_what_hf_generate_samples(qwen3_style, one_thread):
@@ -96,7 +97,7 @@ def test_rollout_engine_samples_no_spare_id_and_what_hf_generate_samples(qwen3_s
     assert (pad, vocab_end, rows) == (320, 321, 384)
     queries = left_padded_queries(pad)
     torch.manual_seed(0)
-    unmasked = sft.generate(policy, queries, pad, sft.generation_config(RESPONSE, 0.7, pad, rows, rows))
+    unmasked = hf_generate.generate(policy, queries, pad, hf_generate.generation_config(RESPONSE, 0.7, pad, rows, rows))
     assert (unmasked >= vocab_end).float().mean() > 0.95
     groups = [rollout.SamplingGroup(queries[:3], 0.7, 11), rollout.SamplingGroup(queries[3:5, 1:], 0.01, 12),
               rollout.SamplingGroup(queries[5:], 1.0, 13)]
@@ -163,19 +164,18 @@ def eval_batch(tokenizer) -> dict:
 
 @pytest.mark.parametrize("stage", ["sft", "dpo", "online"])
 def test_evaluation_sampling_emits_no_spare_id(stage, qwen3_style, monkeypatch, one_thread):
-    """sft.py's evaluation and dpo.py's generation table (HF generate, at their eval temperature 0.01,
-    where a spare id would be the argmax) and the online stages' final evaluation (the rollout engine)
-    sample no id at or beyond len(tokenizer), [PAD] neither."""
+    """sft.py's evaluation and dpo.py's generation table (at their eval temperature 0.01, where a spare id would
+    be the argmax) and the online stages' final evaluation, all through the rollout engine, sample no id at or
+    beyond len(tokenizer), [PAD] neither."""
     tokenizer, policy = qwen3_style["tokenizer"], qwen3_style["policy"]
-    module, sampler = {"sft": (sft, "generate"), "dpo": (dpo, "generate"), "online": (evaluation, "decode")}[stage]
-    sampled, original = [], getattr(module, sampler)
+    sampled, original = [], evaluation.decode
 
     def recorded(*args, **kwargs):
         result = original(*args, **kwargs)
-        sampled.append(result if sampler == "generate" else result[0][0])
+        sampled.append(result[0][0])
         return result
 
-    monkeypatch.setattr(module, sampler, recorded)
+    monkeypatch.setattr(evaluation, "decode", recorded)
     batch = eval_batch(tokenizer)
     if stage == "sft":
         sft.evaluate(sft.Args(response_length=RESPONSE), fake_accelerator(), policy, tokenizer, [batch])
