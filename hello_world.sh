@@ -27,8 +27,10 @@
 #                              ONLINE_DPO_FLAGS for one; NAME names the models/, runs/ and plot
 #                              folders (default hello_world[_<model>])
 #   ALGOS=all ./hello_world.sh the methods after the reward model: ALGOS lists them, default
-#                              "ppo dpo"; all = ppo dpo rloo rloo_k4 grpo online_dpo (rloo.py with
-#                              k=2, k=4 and as GRPO with k=4; online_dpo.py), each at PPO's episodes;
+#                              "ppo dpo"; all = every row of summarize_from_feedback_details/methods.tsv:
+#                              ppo dpo rloo rloo_k4 grpo online_dpo control (rloo.py with k=2, k=4 and
+#                              as GRPO with k=4; online_dpo.py; PPO against an untrained reward model),
+#                              each at PPO's episodes;
 #                              ALGOS=ppo is the sizes x seeds sweep of scaling.sh, ALGOS=all that of
 #                              compare.sh (make compare)
 set -euo pipefail
@@ -43,6 +45,8 @@ SEED=${SEED:-1}
 # its reward model's learning rate).
 ARCH=${ARCH:-gpt_neox}
 source sbatches/tiny_default.sh
+# shellcheck source=sbatches/methods.sh
+source sbatches/methods.sh
 tiny_arch_settings "$ARCH" || exit 2
 MODEL=${MODEL:-$BASE_MODELS_DIR/$TINY_PREFIX-tiny-m}
 FORCE=0
@@ -88,7 +92,8 @@ PPO_ROLLOUT_FORWARD_BATCH=${PPO_ROLLOUT_FORWARD_BATCH:-64}   # rollout generatio
 EVAL_BATCH=${EVAL_BATCH:-8}
 PPO_OFFLOAD=${PPO_OFFLOAD:-0}    # 1: the frozen reference and reward model live in CPU memory (6.9b)
 TRACK=${TRACK:-0}                # 1: log to wandb as well (WANDB_MODE=offline keeps it local)
-ALL_ALGOS="ppo dpo rloo rloo_k4 grpo online_dpo control"
+# the registry's names (summarize_from_feedback_details/methods.tsv): ppo dpo rloo rloo_k4 grpo online_dpo control
+ALL_ALGOS=$(method_names)
 ALGOS=${ALGOS:-ppo dpo}
 [[ $ALGOS == all ]] && ALGOS=$ALL_ALGOS
 read -ra algos <<<"$ALGOS"
@@ -320,25 +325,16 @@ accumulation() {
     fi
     echo $(($1 / ($2 * NUM_GPUS)))
 }
-# The critic-free and online-preference methods of ALGOS on rloo.py and online_dpo.py: each variant
-# its own run folder, model folder and exp_name (eval/ tells the methods apart by it).
-# online_method ALGO: its script, samples per query, and flags of its own
-online_method() {
-    case $1 in
-        rloo) echo "rloo.py 2" ;;
-        rloo_k4) echo "rloo.py 4 --rloo_k 4 --exp_name rloo_k4" ;;
-        grpo) echo "rloo.py 4 --algorithm grpo --rloo_k 4 --exp_name grpo" ;;
-        online_dpo) echo "online_dpo.py 2" ;;
-    esac
-}
+# The critic-free and online-preference methods of ALGOS (the registry's rows with a number of samples): each its
+# own run folder, model folder and exp_name (eval/ tells the methods apart by it), its script and flags its row's.
 # run_online_methods EPISODES_PER_UPDATE ROLLOUT_QUERIES FLAGS...: every method of ALGOS but ppo and
 # dpo with FLAGS, generating min(ROLLOUT_QUERIES, the process's queries) queries per chunk
 run_online_methods() {
     local episodes=$1 rollout=$2 algo script k own chunk
     shift 2
-    for algo in rloo rloo_k4 grpo online_dpo; do
+    for algo in $(sampled_method_names); do
         wanted $algo || continue
-        read -r script k own <<<"$(online_method $algo)"
+        read -r script k own <<<"$(method_row $algo)"
         read -ra own <<<"$own"
         chunk=$((episodes / NUM_PROCESSES / k))
         ((rollout < chunk)) && chunk=$rollout

@@ -26,6 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from summarize_from_feedback_details.methods import METHODS
 from summarize_from_feedback_details.win_rates import t_interval
 
 matplotlib.use("Agg")  # figures go to files only, also on a machine with a display
@@ -66,9 +67,10 @@ def check_exp_names(flags: dict) -> list:
 
 
 # the methods beside SFT, PPO and DPO that hello_world.sh ALGOS=all trains, by exp_name (rloo.py's
-# variants take their own), in plot order; --methods replaces the list. The control is PPO against a
-# reward model that knows nothing (an untrained head): the negative control, which must not beat SFT
-OTHER_METHODS = ["rloo=RLOO k=2", "rloo_k4=RLOO k=4", "grpo=GRPO k=4", "online_dpo=online DPO", "ppo_control=control"]
+# variants take their own), in plot order: the registry's rows (summarize_from_feedback_details/methods.tsv);
+# --methods replaces the list. The control is PPO against a reward model that knows nothing (an untrained
+# head): the negative control, which must not beat SFT
+OTHER_METHODS = [f"{method.run}={method.label}" for method in METHODS if method.name not in ("ppo", "dpo")]
 # SFT, PPO and DPO keep their colours in every plot (DPO's is also its colour in sft_rm_scale.py)
 FIXED_COLORS = {"SFT": "tab:blue", "PPO": "tab:orange", "DPO": "tab:green"}
 MORE_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")

@@ -18,7 +18,8 @@
 #   EXTRA_FLAGS  appended to every stage's command line, e.g. "--push_to_hub --hf_entity me";
 #                SFT_FLAGS / REWARD_FLAGS / PPO_FLAGS / DPO_FLAGS / RLOO_FLAGS / ONLINE_DPO_FLAGS come
 #                after it, for one stage only
-#   RLOO_METHOD  what rloo.sbatch runs, as hello_world.sh's ALGOS names it: rloo (default; k=2),
+#   RLOO_METHOD  what rloo.sbatch runs, as hello_world.sh's ALGOS names it: a row of the registry
+#                (summarize_from_feedback_details/methods.tsv) trained by rloo.py: rloo (default; k=2),
 #                rloo_k4 (k=4) or grpo (GRPO, k=4); the name is its exp_name and model folder
 #   ACCELERATE_CONFIG  default deepspeed.yaml; the process count is NODES x the task's GPU count
 #   LAUNCHER     replaces the whole launcher, e.g. "accelerate launch --config_file my.yaml" (with
@@ -113,6 +114,8 @@ REPO=${SLURM_SUBMIT_DIR:-$PWD}
 TINY=${TINY:-0}
 # shellcheck source=sbatches/tiny_default.sh
 source "$REPO/sbatches/tiny_default.sh"  # TINY=1's stage settings, hello_world.sh's own
+# shellcheck source=sbatches/methods.sh
+source "$REPO/sbatches/methods.sh"  # the registry of methods (rloo.sbatch's RLOO_METHOD)
 if [[ $TINY == 1 ]]; then
     MODELS=${MODELS:-models/tiny/pythia-tiny-s}
     SEEDS=${SEEDS:-"1 2"}

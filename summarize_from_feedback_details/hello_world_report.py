@@ -36,14 +36,14 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from summarize_from_feedback_details import win_rates
+from summarize_from_feedback_details.methods import METHODS
 from summarize_from_feedback_details.synthetic_tldr import (FACT_SWAP_SLOTS, gold_preference, gold_score,
                                                             reward_gold_agreement, swap_fact)
 
 
-# (label, run folder suffix) of the policies after SFT, as hello_world.sh names their runs (ALGOS);
-# the control is PPO against a reward model that knows nothing: it must not beat SFT
-DPO_AND_ONLINE_METHODS = (("PPO", "ppo"), ("DPO", "dpo"), ("RLOO k=2", "rloo"), ("RLOO k=4", "rloo_k4"),
-                          ("GRPO k=4", "grpo"), ("online DPO", "online_dpo"), ("control", "ppo_control"))
+# (label, run folder suffix) of the policies after SFT, as hello_world.sh names their runs (ALGOS): the registry's
+# rows (methods.tsv); the control is PPO against a reward model that knows nothing: it must not beat SFT
+DPO_AND_ONLINE_METHODS = tuple((method.label, method.run) for method in METHODS)
 JSON_NAME = "hello_world_report.json"
 
 

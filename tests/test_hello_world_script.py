@@ -93,9 +93,17 @@ def executable(path, text):
 def checkout(tmp_path):
     shutil.copy(os.path.join(ROOT, "hello_world.sh"), tmp_path / "hello_world.sh")
     shutil.copytree(os.path.join(ROOT, "sbatches"), tmp_path / "sbatches")  # the tiny default's settings
+    copy_registry(tmp_path)
     for name in (".venv/bin/python", ".venv/bin/accelerate", "bin/make"):
         executable(tmp_path / name, RECORDER)
     return tmp_path
+
+
+def copy_registry(checkout):
+    """The registry of methods, which hello_world.sh and the sbatch files read (sbatches/methods.sh)."""
+    (checkout / "summarize_from_feedback_details").mkdir(exist_ok=True)
+    shutil.copy(os.path.join(ROOT, "summarize_from_feedback_details", "methods.tsv"),
+                checkout / "summarize_from_feedback_details" / "methods.tsv")
 
 
 def run(checkout, gpus, *flags, **env):

@@ -228,6 +228,9 @@ def repo(tmp_path):
     """A submit directory with the sbatch files, the embedded default's inputs (empty), a recorder
     as the launcher, and bin/ with stand-ins for accelerate (the recorder), srun and scontrol."""
     shutil.copytree(os.path.join(ROOT, "sbatches"), tmp_path / "repo/sbatches")
+    (tmp_path / "repo/summarize_from_feedback_details").mkdir()
+    shutil.copy(os.path.join(ROOT, "summarize_from_feedback_details/methods.tsv"),
+                tmp_path / "repo/summarize_from_feedback_details/methods.tsv")
     for need in ("data/tldr/sft", "data/tldr/preference", "models/tiny/pythia-tiny-s"):
         (tmp_path / "repo" / need).mkdir(parents=True)
     executable(tmp_path / "record.py", RECORDER)
@@ -413,7 +416,8 @@ def test_online_methods_keep_ppos_batch_on_every_size_and_method(repo):
         assert ("--offload" in online) == (task == 0) and online[-2:] == ["--beta", "0.2"]
     result, calls = chain(repo, names=("rloo.sbatch",), RLOO_METHOD="ppo")
     assert result.returncode == 2 and not calls
-    assert "RLOO_METHOD must be rloo, rloo_k4 or grpo, got 'ppo'" in result.stderr
+    assert "RLOO_METHOD must be one of rloo.py's rows of summarize_from_feedback_details/methods.tsv: rloo rloo_k4 " \
+           "grpo (got 'ppo')" in result.stderr
     # the reward model is needed too
     shutil.rmtree(repo / "out")
     result, calls = chain(repo, names=("sft.sbatch", "online_dpo.sbatch"))
@@ -592,6 +596,7 @@ def test_tiny_sbatch_chain_runs_hello_worlds_settings(repo, tmp_path):
     checkout.mkdir()
     shutil.copy(os.path.join(ROOT, "hello_world.sh"), checkout / "hello_world.sh")
     shutil.copytree(os.path.join(ROOT, "sbatches"), checkout / "sbatches")  # tiny_default.sh: the one source
+    hello_world_wiring.copy_registry(checkout)
     for name in (".venv/bin/python", ".venv/bin/accelerate", "bin/make"):
         hello_world_wiring.executable(checkout / name, hello_world_wiring.RECORDER)
     # every method but the control, which compare.sh runs through hello_world.sh only
