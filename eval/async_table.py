@@ -6,7 +6,7 @@ keeps when its rollouts are N updates old.
 Reads every local run matching --run_glob of PPO, RLOO (k=2), GRPO (k=4) and online DPO (by exp_name)
 that saved a validation table, all started from one SFT policy (--sft_run, the run whose validation
 table they are paired with), and per run measures (compare_table.run_row): the mean gold score of
-its validation summaries minus the SFT run's, paired per prompt (win_rates.paired_comparison); the
+its validation summaries minus the SFT run's, paired per prompt (win_rates.paired_with_sft); the
 KL to SFT (`objective/kl`, mean of the last --last_updates updates); the response length minus SFT's;
 and wall_s, the seconds its updates took (the sum of `time/update`). Per (method, async_steps): the
 mean over seeds of each, with the 95% t-interval over seeds of the gold difference.
@@ -31,7 +31,8 @@ import tyro
 from common import Run, save_figure, write_table
 from compare_table import metric_values, read_logged, run_row
 
-from summarize_from_feedback_details.win_rates import paired_comparison, t_interval
+from summarize_from_feedback_details.methods import METHODS as REGISTRY
+from summarize_from_feedback_details.win_rates import paired_with_sft, t_interval
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Args:
 
 
 # the study's methods by exp_name, in table order
-METHODS = {"ppo_left_padding": "PPO", "rloo": "RLOO k=2", "grpo": "GRPO k=4", "online_dpo": "online DPO"}
+METHODS = {m.exp_name: m.label for m in REGISTRY if m.name in ("ppo", "rloo", "grpo", "online_dpo")}  # (async.sh's)
 SUMMARY_COLUMNS = ["method", "async_steps", "seeds", "gold_minus_sft", "gold_minus_sft_low", "gold_minus_sft_high",
                    "kl", "length_minus_sft", "wall_s"]
 
@@ -83,7 +84,7 @@ def per_run_table(args: Args) -> pd.DataFrame:
         logged = read_logged(run.folder)
         row, scores = run_row(run, logged, METHODS[run.config["exp_name"]], None, args.last_updates, loaded,
                               tokenizers)
-        paired = paired_comparison(scores, sft_scores)
+        paired = paired_with_sft(scores, sft_scores)
         rows.append({"method": row["policy"], "async_steps": int(run.config.get("async_steps", 0)),
                      "seed": row["seed"], "run_name": run.name, "gold": row["gold"],
                      "gold_minus_sft": paired["difference"], "kl": row["kl"], "length": row["length"],

@@ -10,7 +10,7 @@ that saved a validation table, and per run measures:
   (base_model, seed), the policy it started from, paired per prompt (the same validation prompt's
   two summaries), with its 95% bootstrap interval over prompts; and head_to_head_sft, how often its
   summary beats that SFT's on the same prompt (ties half), with its Wilson interval
-  (rlhf_scaling_plot.paired_with_sft, win_rates.paired_comparison);
+  (rlhf_scaling_plot.paired_sft_columns, win_rates.paired_with_sft);
 - gold: the mean gold score of its validation summaries (the synthetic task's exact judge, so the
   embedded default only);
 - win_rate: the gold judge's win rate of its validation summaries against the references (ties
@@ -51,7 +51,7 @@ import pandas as pd
 import tyro
 
 from common import OTHER_METHODS, local_runs, policy_colors, policy_labels, save_figure, use_runs, write_table
-from rlhf_scaling_plot import PAIRED_COLUMNS, paired_with_sft, response_lengths, run_tokenizer
+from rlhf_scaling_plot import PAIRED_COLUMNS, paired_sft_columns, response_lengths, run_tokenizer
 
 from summarize_from_feedback_details.synthetic_tldr import gold_score
 from summarize_from_feedback_details.win_rates import score_outcomes, scores_by_query, t_interval, wilson_interval
@@ -157,7 +157,7 @@ def score_table(table: pd.DataFrame, reward_model_path: Optional[str], loaded: d
 
 def run_row(run, logged: list, label: str, reward_model_path: Optional[str], last_updates: int, loaded: dict,
             tokenizers: dict) -> tuple:
-    """The run's measures (the paired ones are added by paired_with_sft), and {query: gold score} of
+    """The run's measures (the paired ones are added by paired_sft_columns), and {query: gold score} of
     its summaries for that pairing (or why there is none: a repeated query)."""
     table = pd.read_csv(os.path.join(run.folder, "validation_table.csv"), keep_default_na=False)
     queries = list(table["query"].astype(str))
@@ -313,7 +313,7 @@ def main(args: Args) -> None:
     order = [label for label in labels.values() if label in set(per_run["policy"])]
     per_run = per_run.assign(_rank=per_run["policy"].map(order.index)).sort_values(
         ["base_model", "_rank", "seed"], kind="stable").drop(columns="_rank").reset_index(drop=True)
-    per_run = minus_sft(paired_with_sft(per_run, gold))
+    per_run = minus_sft(paired_sft_columns(per_run, gold))
     # the headline columns after the run's name, as in the tables below
     first = ["policy", "base_model", "seed", "run_name", "rows", *PAIRED_COLUMNS, "gold"]
     per_run = per_run[first + [c for c in per_run.columns if c not in first]]

@@ -54,7 +54,7 @@ from judges import EOS_TEXT, PAD_TEXT, ChatJudge, ChatJudgeConfig, gold_verdicts
 
 from summarize_from_feedback_details.synthetic_tldr import gold_score
 from summarize_from_feedback_details.win_rates import (length_controlled_interval, length_controlled_win_rate,
-                                                       outcome_of, paired_comparison, scores_by_query, wilson_interval)
+                                                       outcome_of, paired_with_sft, scores_by_query, wilson_interval)
 
 
 @dataclass
@@ -180,12 +180,12 @@ PAIRED_COLUMNS = ("gold_minus_sft", "gold_minus_sft_ci_low", "gold_minus_sft_ci_
                   "head_to_head_sft_ci_low", "head_to_head_sft_ci_high")
 
 
-def paired_with_sft(per_run: pd.DataFrame, scores: dict) -> pd.DataFrame:
+def paired_sft_columns(per_run: pd.DataFrame, scores: dict) -> pd.DataFrame:
     """`per_run` (columns policy, base_model, seed, run_name) with PAIRED_COLUMNS: each run against the
     SFT run of its (base_model, seed), the policy it started from, paired per prompt on the gold judge's
     scores (`scores`: {run_name: {query: score}}, or a string saying why a run has none): the mean
     score difference with its 95% bootstrap interval over prompts and the head-to-head rate (ties
-    half) with its Wilson interval (win_rates.paired_comparison). NaN for SFT runs, runs without an
+    half) with its Wilson interval (win_rates.paired_with_sft). NaN for SFT runs, runs without an
     SFT run of their seed, and pairs that cannot be paired (other prompts, a repeated query: warned)."""
     sft = {(r.base_model, r.seed): r.run_name for r in per_run.itertuples() if r.policy == "SFT"}
     rows = []
@@ -194,10 +194,7 @@ def paired_with_sft(per_run: pd.DataFrame, scores: dict) -> pd.DataFrame:
         row = dict.fromkeys(PAIRED_COLUMNS, np.nan)
         if baseline is not None:
             try:
-                why = next((scores[n] for n in (run.run_name, baseline) if isinstance(scores[n], str)), None)
-                if why:
-                    raise ValueError(why)
-                paired = paired_comparison(scores[run.run_name], scores[baseline])
+                paired = paired_with_sft(scores[run.run_name], scores[baseline])
                 row = dict(zip(PAIRED_COLUMNS, (paired["difference"], *paired["difference_ci"], paired["head_to_head"],
                                                 *paired["head_to_head_ci"])))
             except ValueError as error:
@@ -299,7 +296,7 @@ def main(args: Args) -> None:
     # 3. win rate vs model size
     per_run = per_run_table(judged, order)
     if judge is None:
-        per_run = paired_with_sft(per_run, gold_by_query(judged))
+        per_run = paired_sft_columns(per_run, gold_by_query(judged))
     else:
         per_run = per_run.assign(**dict.fromkeys(PAIRED_COLUMNS, np.nan))
     write_table(per_run, args.out, "rlhf_scale_plot_runs")

@@ -182,16 +182,13 @@ def gold_numbers(table: pd.DataFrame, name: str) -> tuple:
         return numbers, str(error)
 
 
-def paired_with_sft(scores, sft_scores) -> dict:
-    """The headline numbers of a policy against SFT (win_rates.paired_comparison of their gold_numbers'
+def headline_vs_sft(scores, sft_scores) -> dict:
+    """The headline numbers of a policy against SFT (win_rates.paired_with_sft of their gold_numbers'
     {query: score}), or why there are none (the tables' prompts differ, or one repeats a query)."""
-    why = next((s for s in (scores, sft_scores) if isinstance(s, str)), None)
     try:
-        paired = None if why else win_rates.paired_comparison(scores, sft_scores)
+        paired = win_rates.paired_with_sft(scores, sft_scores)
     except ValueError as error:
-        why = str(error)
-    if why:
-        return {"not_paired": why}
+        return {"not_paired": str(error)}
     return {"gold_minus_sft": estimate(paired["difference"], paired["difference_ci"], prompts=paired["prompts"]),
             "head_to_head_vs_sft": estimate(paired["head_to_head"], paired["head_to_head_ci"])}
 
@@ -235,7 +232,7 @@ def gather(args: Args) -> dict:
             if name == "SFT":
                 sft_scores = scores
             elif sft_scores is not None:  # the headline first: its keys lead the policy's dict
-                policy.update(paired_with_sft(scores, sft_scores))
+                policy.update(headline_vs_sft(scores, sft_scores))
             policy.update(gold)
         if reward_model is not None:
             summary = policy_summary(table, reward_model, tokenizer)

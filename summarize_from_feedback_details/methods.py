@@ -19,7 +19,7 @@ class Method:
     name: str
     """what ALGOS (and rloo.sbatch's RLOO_METHOD) call it; its model folder"""
     run: str
-    """its run folder's suffix and its exp_name, by which eval/ tells the methods apart"""
+    """its run folder's suffix (runs/<NAME>_<run>); for a row with samples also its exp_name"""
     label: str
     """its name in the results table and the plots"""
     script: str
@@ -28,6 +28,13 @@ class Method:
     """samples per query, run by hello_world.sh at PPO's episodes per update; None: a stage of its own there"""
     flags: tuple
     """the method's own flags"""
+
+    @property
+    def exp_name(self) -> str:
+        """What its runs' args.json name it, by which eval/ tells the methods apart: its --exp_name, else its
+        script's default, the file name (hello_world.sh names the control's ppo_control in the control's stage)."""
+        given = dict(zip(self.flags, self.flags[1:]))
+        return given.get("--exp_name", "ppo_control" if self.name == "control" else self.script.removesuffix(".py"))
 
 
 def check_method(method: Method) -> None:
@@ -40,10 +47,9 @@ def check_method(method: Method) -> None:
     given = dict(zip(method.flags, method.flags[1:]))
     if "--rloo_k" in given and given["--rloo_k"] != str(method.samples):
         raise ValueError(f"methods.tsv, {method.name}: --rloo_k {given['--rloo_k']} but samples {method.samples}")
-    exp_name = given.get("--exp_name", method.script.removesuffix(".py"))
-    if not method.run == method.name == exp_name:
-        raise ValueError(f"methods.tsv, {method.name}: its run ({method.run}) and exp_name ({exp_name}) must be its "
-                         f"name (add --exp_name {method.name} to its flags)")
+    if not method.run == method.name == method.exp_name:
+        raise ValueError(f"methods.tsv, {method.name}: its run ({method.run}) and exp_name ({method.exp_name}) must "
+                         f"be its name (add --exp_name {method.name} to its flags)")
 
 
 def read_methods(path: pathlib.Path = REGISTRY) -> tuple:

@@ -189,6 +189,17 @@ def scores_by_query(queries: Sequence, scores: Sequence, name: str = "table") ->
     return by_query
 
 
+def paired_with_sft(scores, sft_scores) -> dict:
+    """A policy against the SFT policy it started from, the headline of every results table (hello_world's report,
+    eval/'s per-run tables): paired_comparison of their {query: score}. Either may instead be a string, the reason
+    it has none (a table that repeats a query): refused with that reason (ValueError), as paired_comparison
+    refuses tables of other prompts."""
+    why = next((s for s in (scores, sft_scores) if isinstance(s, str)), None)
+    if why:
+        raise ValueError(why)
+    return paired_comparison(scores, sft_scores)
+
+
 def paired_comparison(policy: Mapping, baseline: Mapping, resamples: int = 2000, seed: int = 0,
                       level: float = LEVEL) -> dict:
     """A policy against a baseline on the same prompts, from {query: score} of each (scores_by_query):

@@ -186,3 +186,14 @@ def test_paired_tables_refuse_different_prompts():
         win_rates.scores_by_query(["q1", "q2", "q2"], [1.0, 2.0, 3.0], "SFT")
     with pytest.raises(ValueError, match="no prompt"):
         win_rates.paired_comparison({}, {})
+
+
+def test_paired_with_sft_is_paired_comparison_and_refuses_a_reason():
+    """The one pairing against SFT of every results table: paired_comparison's numbers, and a table that has a
+    reason instead of scores (a repeated query) refused with that reason."""
+    policy, sft = {"a": 3.0, "b": 1.0}, {"a": 2.0, "b": 2.0}
+    assert win_rates.paired_with_sft(policy, sft) == win_rates.paired_comparison(policy, sft)
+    assert win_rates.paired_with_sft(policy, sft)["difference"] == 0.0
+    for scores, baseline in ((policy, "SFT's table repeats a query"), ("SFT's table repeats a query", sft)):
+        with pytest.raises(ValueError, match="repeats a query"):
+            win_rates.paired_with_sft(scores, baseline)
