@@ -53,7 +53,7 @@ import tyro
 from common import OTHER_METHODS, local_runs, policy_colors, policy_labels, save_figure, use_runs, write_table
 from rlhf_scaling_plot import PAIRED_COLUMNS, paired_sft_columns, response_lengths, run_tokenizer
 
-from summarize_from_feedback_details.synthetic_tldr import gold_score
+from summarize_from_feedback_details.gold_judge import gold_score
 from summarize_from_feedback_details.win_rates import score_outcomes, scores_by_query, t_interval, wilson_interval
 
 

@@ -22,7 +22,7 @@ from typing import Optional
 
 from rich.progress import Progress
 
-from summarize_from_feedback_details.synthetic_tldr import EOS_TEXT, gold_preference
+from summarize_from_feedback_details.gold_judge import EOS_TEXT, gold_preference
 
 PAD_TEXT = "[PAD]"
 VERDICTS = ("policy", "reference", "tie", "unparsed")

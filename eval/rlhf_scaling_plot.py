@@ -52,7 +52,7 @@ from common import (OTHER_METHODS, console, either, find_runs, finish_scaling_ax
                     shifts, use_runs, write_table)
 from judges import EOS_TEXT, PAD_TEXT, ChatJudge, ChatJudgeConfig, gold_verdicts, win_counts
 
-from summarize_from_feedback_details.synthetic_tldr import gold_score
+from summarize_from_feedback_details.gold_judge import gold_score
 from summarize_from_feedback_details.win_rates import (length_controlled_interval, length_controlled_win_rate,
                                                        outcome_of, paired_with_sft, scores_by_query, wilson_interval)
 

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.rollout import SamplingGroup, decode, derived_seed
-from summarize_from_feedback_details.synthetic_tldr import gold_validation_metrics
+from summarize_from_feedback_details.gold_judge import gold_validation_metrics
 
 EVAL_COLUMNS = ["query_token", "reference_response_token"]
 # contain_eos: whether the policy ended the response (a response without an EOS ran out of tokens, and

@@ -37,8 +37,8 @@ from transformers.utils import logging as transformers_logging
 
 from summarize_from_feedback_details import win_rates
 from summarize_from_feedback_details.methods import METHODS
-from summarize_from_feedback_details.synthetic_tldr import (FACT_SWAP_SLOTS, gold_preference, gold_score,
-                                                            reward_gold_agreement, swap_fact)
+from summarize_from_feedback_details.gold_judge import (FACT_SWAP_SLOTS, gold_preference, gold_score,
+                                                        reward_gold_agreement, swap_fact)
 
 
 # (label, run folder suffix) of the policies after SFT, as hello_world.sh names their runs (ALGOS): the registry's

@@ -9,6 +9,8 @@ import json
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 import types
 from typing import Optional
 
@@ -794,3 +796,19 @@ def test_early_warning_fires_when_the_first_value_is_zero():
     assert warnings.check({"objective/kl": 0.0, "ppo/val/response_length": 0.0}, 1) == []
     fired = warnings.check({"objective/kl": 0.7, "ppo/val/response_length": 5.0}, 2)
     assert fired == ["early warning at update 2: objective/kl 0.7 above 0.5 (--warn kl=0.5)"]
+
+
+def test_evaluation_imports_the_gold_judge_not_the_data_generator():
+    """The gold judge lives in gold_judge.py with the world it knows: evaluation.py, the report and eval/ judge
+    without importing synthetic_tldr.py's generator, and the generator's old names for the judge still read."""
+    probe = ("import sys; import summarize_from_feedback_details.evaluation, "
+             "summarize_from_feedback_details.hello_world_report; "
+             "print('summarize_from_feedback_details.synthetic_tldr' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO)
+    assert result.stdout.strip() == "False"
+    for path in (REPO / "eval").glob("*.py"):
+        assert "synthetic_tldr import" not in path.read_text(), path.name
+    from summarize_from_feedback_details import gold_judge, synthetic_tldr
+    assert synthetic_tldr.gold_score is gold_judge.gold_score and synthetic_tldr.extract_facts is gold_judge.extract_facts
+    with pytest.raises(AttributeError, match="synthetic_tldr' has no attribute 'no_such_name'"):
+        synthetic_tldr.no_such_name
