@@ -10,7 +10,7 @@ here changes a result that the stage does not name: it loads what the stage asks
   without a split the run will need;
 - frozen DeepSpeed engines (`frozen_dtype`, `prepare_frozen`, `describe_frozen`): reference and
   reward models as inference engines, ZeRO-3 with CPU offload under `--offload`;
-- `load_policy_reference_reward`: the three models of the critic-free online stages (rloo.py, online_dpo.py).
+- `load_policy_reference_reward`: the online stages' policy, reference and reward model (and PPO's critic).
 """
 
 import hashlib
