@@ -18,7 +18,7 @@ that saved a validation table, and per run measures:
 - rm_score: the mean score of its summaries under the reward model of its (base_model, seed), the
   `reward_model_path` of that seed's PPO run (else of its other online runs; SFT and DPO train
   without one, the control against a reward model that knows nothing), every policy's summaries
-  through the same path (hello_world_report.reward_scores);
+  through the same path (evaluation.reward_scores);
 - length: mean response length in tokens (EOS not counted); length_minus_sft and
   win_rate_minus_sft: the run's minus its seed's SFT run's;
 - kl: the online methods' KL to the SFT policy, `objective/kl` averaged over the last 5 updates
@@ -146,7 +146,7 @@ def score_table(table: pd.DataFrame, reward_model_path: Optional[str], loaded: d
         return float("nan")
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from summarize_from_feedback_details.hello_world_report import table_reward_scores
+    from summarize_from_feedback_details.evaluation import table_reward_scores
 
     if reward_model_path not in loaded:
         loaded[reward_model_path] = (AutoModelForSequenceClassification.from_pretrained(reward_model_path).eval(),

@@ -34,7 +34,7 @@ import tyro
 from common import (check_exp_names, console, either, find_runs, finish_scaling_axes, interval_bars, model_label,
                     model_sizes, parse_size_overrides, plot_over_sizes, save_figure, seed_summary, shifts, use_runs,
                     write_table)
-from summarize_from_feedback_details.hello_world_report import last_metrics
+from summarize_from_feedback_details.infra.tracking import last_metrics
 
 
 @dataclass

@@ -9,6 +9,8 @@ its stage file; how its policy is measured lives here.
 - `final_evaluation` (`evaluate_policy` per split): after training (`--run_eval`), every validation
   and test query sampled through the rollout engine at the evaluation temperature, scored against
   the reference summaries.
+- `reward_scores` / `table_reward_scores`: a reward model's score of a saved table's text, read where the
+  stages read it (hello_world's report and eval/ score every policy's table through it);
 - `generation_rows`: the tables of sft.py and dpo.py (no reward model to score with), sampled by the
   same engine from the same seeds, so that SFT, the baseline of every "minus SFT", is sampled as the
   policies compared with it are.
@@ -18,14 +20,15 @@ without the EOS penalty (the paper's evaluation). `truncate_response` and `get_r
 stages' own helpers, kept equal to theirs by the identity tests (tests/test_run_infra.py lists them).
 """
 
+import numpy as np
 import pandas as pd
 import torch
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.rollout import SamplingGroup, decode, derived_seed
 from summarize_from_feedback_details.gold_judge import gold_validation_metrics
+from summarize_from_feedback_details.rollout import SamplingGroup, decode, derived_seed
 
 EVAL_COLUMNS = ["query_token", "reference_response_token"]
 # contain_eos: whether the policy ended the response (a response without an EOS ran out of tokens, and
@@ -163,6 +166,37 @@ def generation_rows(accelerator, policy, tokenizer, batch: dict, temperature: fl
         tokenizer.batch_decode(batch["reference_response_token"], skip_special_tokens=True),
         (responses == eos_id).any(-1).tolist(),  # (whether the policy ended it: hello_world_report)
     )], use_gather_object=True)
+
+
+@torch.no_grad()
+def reward_scores(reward_model, tokenizer, queries: list, responses: list, contain_eos: list,
+                  batch_size: int = 64) -> np.ndarray:
+    """The reward model's score of each [query | response], from the tables' text (both policies'
+    summaries go through this same path, so their scores compare fairly), read where the stages read
+    it: at the EOS of a response the policy ended (`contain_eos`), at the last token of one that ran
+    out of tokens (an EOS appended to it would score a summary the policy never finished)."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    scores = []
+    for start in range(0, len(queries), batch_size):
+        end = start + batch_size
+        rows = [q + r + [eos_id] * bool(eos) for q, r, eos in zip(
+            tokenizer(list(queries[start:end]))["input_ids"],
+            tokenizer(list(responses[start:end]), add_special_tokens=False)["input_ids"], contain_eos[start:end])]
+        width = max(map(len, rows))
+        ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])  # right padding
+        scores.append(reward_model(input_ids=ids, attention_mask=ids != pad_id).logits[:, 0])
+    # the normalisation of an RMSNorm architecture (reward.py): added here to a model loaded with plain
+    # transformers; one loaded by infra.loading.load_reward_model adds it in its forward already
+    hooked = getattr(reward_model, "reward_offset_hook", None) is not None
+    return torch.cat(scores).numpy() + (0.0 if hooked else getattr(reward_model.config, "reward_offset", 0.0))
+
+
+def table_reward_scores(reward_model, tokenizer, table: pd.DataFrame) -> np.ndarray:
+    """`reward_scores` of a policy's table (a table written before its `contain_eos` column: every
+    response scored with an EOS, as this report did then)."""
+    contain_eos = list(table["contain_eos"]) if "contain_eos" in table else [True] * len(table)
+    return reward_scores(reward_model, tokenizer, list(table["query"]), list(table["postprocessed_response"]),
+                         contain_eos)
 
 
 def evaluate_policy(accelerator, policy, reward_model, tokenizer, dataloader, temperature: float,

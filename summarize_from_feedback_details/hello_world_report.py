@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-import torch
 import tyro
 from rich.console import Console
 from rich.table import Table
@@ -36,6 +35,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from summarize_from_feedback_details import win_rates
+from summarize_from_feedback_details.evaluation import reward_scores, table_reward_scores
+from summarize_from_feedback_details.infra.tracking import last_metrics, metric_history
 from summarize_from_feedback_details.methods import METHODS
 from summarize_from_feedback_details.gold_judge import (FACT_SWAP_SLOTS, gold_preference, gold_score,
                                                         reward_gold_agreement, swap_fact)
@@ -59,47 +60,6 @@ class Args:
     """where hello_world.sh had eval/ write its plots"""
     gold_judge: bool = True
     """judge with the synthetic task's gold judge (only meaningful on the embedded default)"""
-
-
-def last_metrics(run_folder: str) -> dict:
-    """The last logged value of every metric of a run (metrics.jsonl holds one dict per log call)."""
-    metrics = {}
-    with open(os.path.join(run_folder, "metrics.jsonl")) as f:
-        for line in f:
-            metrics.update(json.loads(line))
-    metrics.pop("step", None)
-    return metrics
-
-
-@torch.no_grad()
-def reward_scores(reward_model, tokenizer, queries: list, responses: list, contain_eos: list,
-                  batch_size: int = 64) -> np.ndarray:
-    """The reward model's score of each [query | response], from the tables' text (both policies'
-    summaries go through this same path, so their scores compare fairly), read where the stages read
-    it: at the EOS of a response the policy ended (`contain_eos`), at the last token of one that ran
-    out of tokens (an EOS appended to it would score a summary the policy never finished)."""
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    scores = []
-    for start in range(0, len(queries), batch_size):
-        end = start + batch_size
-        rows = [q + r + [eos_id] * bool(eos) for q, r, eos in zip(
-            tokenizer(list(queries[start:end]))["input_ids"],
-            tokenizer(list(responses[start:end]), add_special_tokens=False)["input_ids"], contain_eos[start:end])]
-        width = max(map(len, rows))
-        ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])  # right padding
-        scores.append(reward_model(input_ids=ids, attention_mask=ids != pad_id).logits[:, 0])
-    # the normalisation of an RMSNorm architecture (reward.py): added here to a model loaded with plain
-    # transformers; one loaded by infra.loading.load_reward_model adds it in its forward already
-    hooked = getattr(reward_model, "reward_offset_hook", None) is not None
-    return torch.cat(scores).numpy() + (0.0 if hooked else getattr(reward_model.config, "reward_offset", 0.0))
-
-
-def table_reward_scores(reward_model, tokenizer, table: pd.DataFrame) -> np.ndarray:
-    """`reward_scores` of a policy's table (a table written before its `contain_eos` column: every
-    response scored with an EOS, as this report did then)."""
-    contain_eos = list(table["contain_eos"]) if "contain_eos" in table else [True] * len(table)
-    return reward_scores(reward_model, tokenizer, list(table["query"]), list(table["postprocessed_response"]),
-                         contain_eos)
 
 
 def fact_swap_accuracy(reward_model, tokenizer, table: pd.DataFrame, references: int = 1000) -> dict:
@@ -157,12 +117,6 @@ def estimate(value: float, interval: tuple, **more) -> dict:
     """A number with its interval, as the JSON holds it (NaN as null: JSON has no NaN)."""
     finite = lambda x: float(x) if np.isfinite(x) else None  # noqa: E731
     return {"value": finite(value), "low": finite(interval[0]), "high": finite(interval[1]), **more}
-
-
-def metric_history(run_folder: str, key: str) -> list:
-    """Every logged value of one metric, in order."""
-    with open(os.path.join(run_folder, "metrics.jsonl")) as f:
-        return [m[key] for m in map(json.loads, f) if key in m]
 
 
 def gold_numbers(table: pd.DataFrame, name: str) -> tuple:

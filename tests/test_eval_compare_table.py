@@ -14,7 +14,7 @@ import compare_table
 from test_eval_rlhf_scaling_plot import GOOD, MID, POOR, POST
 
 from summarize_from_feedback_details import win_rates
-from summarize_from_feedback_details.hello_world_report import reward_scores
+from summarize_from_feedback_details.evaluation import reward_scores
 
 # four validation prompts (one post under four titles), the same in every run
 QUERIES = [POST.replace("TITLE: help", f"TITLE: help {i}") for i in range(4)]

@@ -6,7 +6,9 @@ import pandas as pd
 import pytest
 import torch
 
+from summarize_from_feedback_details import evaluation
 from summarize_from_feedback_details import hello_world_report as report
+from summarize_from_feedback_details.infra import tracking
 
 POST = ("SUBREDDIT: r/roommates\n\nTITLE: help\n\nPOST: I (25F) have lived with my roommate (27M) for 3 years.\n\n"
         "Lately they has not paid rent in months. I am so angry right now.\n\nShould I just move out?\n\nTL;DR:")
@@ -57,7 +59,7 @@ def test_report_reads_the_run_folders(tmp_path):
 
 def test_last_metrics_keeps_the_latest_value(tmp_path):
     write_run(tmp_path / "run", [{"a": 1.0}, {"a": 2.0, "b": 3.0}], {})
-    assert report.last_metrics(str(tmp_path / "run")) == pytest.approx({"a": 2.0, "b": 3.0})
+    assert tracking.last_metrics(str(tmp_path / "run")) == pytest.approx({"a": 2.0, "b": 3.0})
 
 
 def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, tokenizer):
@@ -121,7 +123,7 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
     ids = torch.tensor([tokenizer(POST)["input_ids"] + tokenizer(good)["input_ids"] + [tokenizer.eos_token_id]])
     with torch.no_grad():
         alone = model(input_ids=ids).logits[0, 0].item()
-    batched = report.reward_scores(model, tokenizer, [POST, POST], [poor, good], [True, True])
+    batched = evaluation.reward_scores(model, tokenizer, [POST, POST], [poor, good], [True, True])
     assert batched[1] == pytest.approx(alone, abs=1e-5) and batched[0] != pytest.approx(alone, abs=1e-3)
     assert rows["PPO mean reward-model score"] == f"{alone:.3f}"
     # real data: no gold judge, the other rows stay
@@ -166,9 +168,9 @@ def test_a_response_the_policy_did_not_end_is_scored_at_its_last_token(tmp_path,
     pd.DataFrame({"query": [POST, POST], "postprocessed_response": [good, good], "reference_responses": [good, good],
                   "contain_eos": [True, False]}).to_csv(path, index=False)
     table = pd.read_csv(path, keep_default_na=False)  # (as the report reads it)
-    assert report.table_reward_scores(model, tokenizer, table) == pytest.approx([ended, cut], abs=1e-5)
+    assert evaluation.table_reward_scores(model, tokenizer, table) == pytest.approx([ended, cut], abs=1e-5)
     older = table.drop(columns="contain_eos")
-    assert report.table_reward_scores(model, tokenizer, older) == pytest.approx([ended, ended], abs=1e-5)
+    assert evaluation.table_reward_scores(model, tokenizer, older) == pytest.approx([ended, ended], abs=1e-5)
 
 
 # ---------------------------------------------------------------- the headline: paired against SFT

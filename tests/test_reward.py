@@ -752,7 +752,7 @@ def test_an_rmsnorm_reward_model_keeps_its_normalisation_in_the_config(tiny_data
     real = left_padded[:16] != PAD
     assert torch.allclose(values[real], (plain_values + config["reward_offset"])[real], atol=1e-4)
     # the report's scoring from text adds the offset once, whichever loader made the model
-    from summarize_from_feedback_details.hello_world_report import reward_scores
+    from summarize_from_feedback_details.evaluation import reward_scores
     texts = dict(queries=references["query"][:4], responses=references["reference_response"][:4],
                  contain_eos=[True] * 4)
     from_plain, from_loader = reward_scores(plain, tokenizer, **texts), reward_scores(loaded, tokenizer, **texts)

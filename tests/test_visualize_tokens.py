@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from summarize_from_feedback_details import reward
 from summarize_from_feedback_details.infra import loading
-from summarize_from_feedback_details.hello_world_report import reward_scores
+from summarize_from_feedback_details.evaluation import reward_scores
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a script at the repository root, not part of the package: imported from its file

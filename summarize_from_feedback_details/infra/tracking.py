@@ -5,7 +5,8 @@
   same rule afterwards to a metric's history);
 - `progress` prints plain lines with an ETA where no terminal shows a bar;
 - `PhaseTimer`: seconds per phase of an update;
-- `explained_variance`: how much of the returns a critic predicts (PPO's ppo/val/explained_variance).
+- `explained_variance`: how much of the returns a critic predicts (PPO's ppo/val/explained_variance);
+- `last_metrics` and `metric_history` read a run's metrics.jsonl back (the report, eval/).
 """
 
 import contextlib
@@ -270,3 +271,19 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     (CleanRL's diagnostic of the critic; issue 61 found the miniature's below 0 for every update)."""
     returns, errors = returns[mask].double(), (returns - values)[mask].double()
     return (1 - errors.var(unbiased=False) / returns.var(unbiased=False)).item()
+
+
+def last_metrics(run_folder: str) -> dict:
+    """The last logged value of every metric of a run (metrics.jsonl holds one dict per log call)."""
+    metrics = {}
+    with open(os.path.join(run_folder, "metrics.jsonl")) as f:
+        for line in f:
+            metrics.update(json.loads(line))
+    metrics.pop("step", None)
+    return metrics
+
+
+def metric_history(run_folder: str, key: str) -> list:
+    """Every logged value of one metric, in order."""
+    with open(os.path.join(run_folder, "metrics.jsonl")) as f:
+        return [m[key] for m in map(json.loads, f) if key in m]
