@@ -5,11 +5,12 @@
 METHODS_TSV="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/summarize_from_feedback_details/methods.tsv"
 # method_names [SCRIPT]: the names of the registry's rows in order, those trained by SCRIPT if given
 method_names() {
-    awk -F'\t' -v script="${1:-}" '!/^#/ && NF && (script == "" || $4 == script) {printf "%s ", $1}' "$METHODS_TSV"
+    awk -F'\t' -v script="${1:-}" '!/^#/ && NF && (script == "" || $4 == script) {printf "%s%s", sep, $1; sep = " "}' \
+        "$METHODS_TSV"
 }
 # sampled_method_names: the rows hello_world.sh runs at PPO's episodes per update (samples a number)
 sampled_method_names() {
-    awk -F'\t' '!/^#/ && NF && $5 != "-" {printf "%s ", $1}' "$METHODS_TSV"
+    awk -F'\t' '!/^#/ && NF && $5 != "-" {printf "%s%s", sep, $1; sep = " "}' "$METHODS_TSV"
 }
 # method_row NAME: "script samples flags..." of NAME's row (nothing for a name the registry lacks)
 method_row() {
