@@ -149,17 +149,25 @@ def final_eval_group(queries: torch.Tensor, temperature: float, seed: int, batch
     return SamplingGroup(queries, temperature, derived_seed(seed, EVAL_STREAM, place))
 
 
+def sample_eval_batch(accelerator, policy, tokenizer, queries: torch.Tensor, temperature: float, response_length: int,
+                      seed: int, batch_index: int) -> torch.Tensor:
+    """The responses to eval batch `batch_index`'s `queries`, sampled through the rollout engine from
+    `final_eval_group`'s seed (eagerly: one batch shape per split would cost a CUDA-graph compile each)."""
+    group = final_eval_group(queries, temperature, seed, batch_index, accelerator)
+    with accelerator.autocast():
+        ((responses, _),) = decode(policy, [group], tokenizer.pad_token_id, len(tokenizer), response_length)
+    return responses
+
+
 @torch.no_grad()
 def generation_rows(accelerator, policy, tokenizer, batch: dict, temperature: float, response_length: int, seed: int,
                     batch_index: int) -> list:
-    """The table rows (GENERATION_COLUMNS) of eval batch `batch_index`: its queries sampled through the rollout
-    engine (`final_eval_group`'s seed), truncated after EOS, next to the references; gathered over processes
-    without the duplicates that sharding pads the last batch with."""
+    """The table rows (GENERATION_COLUMNS) of eval batch `batch_index`: its responses (`sample_eval_batch`),
+    truncated after EOS, next to the references; gathered over processes without the duplicates that sharding pads
+    the last batch with."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    group = final_eval_group(batch["query_token"], temperature, seed, batch_index, accelerator)
-    with accelerator.autocast():
-        ((responses, _),) = decode(policy, [group], pad_id, len(tokenizer), response_length)
-    responses = truncate_response(responses, eos_id, pad_id)
+    responses = truncate_response(sample_eval_batch(accelerator, policy, tokenizer, batch["query_token"], temperature,
+                                                    response_length, seed, batch_index), eos_id, pad_id)
     return accelerator.gather_for_metrics([dict(zip(GENERATION_COLUMNS, values)) for values in zip(
         tokenizer.batch_decode(batch["query_token"], skip_special_tokens=True),
         tokenizer.batch_decode(responses, skip_special_tokens=True),
@@ -201,14 +209,12 @@ def table_reward_scores(reward_model, tokenizer, table: pd.DataFrame) -> np.ndar
 
 def evaluate_policy(accelerator, policy, reward_model, tokenizer, dataloader, temperature: float,
                     response_length: int, seed: int) -> tuple:
-    """The whole split sampled through the rollout engine at `temperature` (eagerly: one batch shape
-    per split would cost a CUDA-graph compile each), scored by the reward model, gathered without the
-    duplicates that sharding pads the last batch with. Returns (metrics, table)."""
+    """The whole split sampled through the rollout engine at `temperature` (`sample_eval_batch`), scored by the
+    reward model, gathered without the duplicates that sharding pads the last batch with. Returns (metrics, table)."""
     rows = []
     for batch_index, batch in enumerate(dataloader):
-        group = final_eval_group(batch["query_token"], temperature, seed, batch_index, accelerator)
-        with accelerator.autocast():
-            ((responses, _),) = decode(policy, [group], tokenizer.pad_token_id, len(tokenizer), response_length)
+        responses = sample_eval_batch(accelerator, policy, tokenizer, batch["query_token"], temperature,
+                                      response_length, seed, batch_index)
         local_rows, _, _ = score_responses(accelerator, reward_model, tokenizer, batch["query_token"], responses,
                                            batch["reference_response_token"])
         rows += accelerator.gather_for_metrics(local_rows, use_gather_object=True)

@@ -430,14 +430,19 @@ def compute_advantages(rewards: torch.Tensor, values: torch.Tensor, gamma: float
     return advantages, advantages + values
 
 
+def clipped_surrogate(ratio: torch.Tensor, advantage: torch.Tensor, cliprange: float) -> tuple:
+    """max(-A r, -A clip(r, 1 - c, 1 + c)) per ratio unit, and where the clipped term is the larger (PPO's surrogate)."""
+    unclipped = -advantage * ratio
+    clipped_losses = -advantage * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return torch.max(unclipped, clipped_losses), (clipped_losses > unclipped).float()
+
+
 def policy_loss(new_logprobs: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor,
                 cliprange: float) -> tuple:
-    """Per-token clipped surrogate max(-A r, -A clip(r, 1 - c, 1 + c)); returns (losses, clipped, ratio, logratio)."""
+    """The per-token clipped surrogate; returns (losses, clipped, ratio, logratio)."""
     logratio = new_logprobs - logprobs
     ratio = torch.exp(logratio)
-    pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    return torch.max(pg_losses, pg_losses2), (pg_losses2 > pg_losses).float(), ratio, logratio
+    return (*clipped_surrogate(ratio, advantages, cliprange), ratio, logratio)
 
 
 def value_loss(vpred: torch.Tensor, values: torch.Tensor, returns: torch.Tensor, cliprange_value: float) -> tuple:

@@ -48,7 +48,7 @@ IDENTICAL_COPIES = [
     ("rloo", "ppo_left_padding", ("epoch_permutations", "first_true_indices", "truncate_response", "forward",
                                   "scaled_logits", "gather_logprobs", "entropy_from_logits", "response_logits",
                                   "get_reward", "response_masks", "penalize_missing_eos", "minibatch_rows",
-                                  "learner_logprobs", "QUERY_COLUMNS")),
+                                  "learner_logprobs", "clipped_surrogate", "QUERY_COLUMNS")),
     ("online_dpo", "ppo_left_padding", ("epoch_permutations", "first_true_indices", "truncate_response", "forward",
                                         "scaled_logits", "gather_logprobs", "response_logits", "get_reward",
                                         "penalize_missing_eos", "QUERY_COLUMNS")),
