@@ -36,7 +36,8 @@ difference and its verdict; compare_table_full: every number), compare_summary.c
 method but SFT: exactly method, seeds, gold_minus_sft, gold_minus_sft_low, gold_minus_sft_high,
 win_rate_minus_sft, length_minus_sft, kl; a leading base_model column when the runs hold more than
 one base model), compare_phases.{csv,md} (the online methods' median seconds per update by phase,
-mean over seeds), compare.{png,pdf} (one panel per measure: each seed a dot, the mean a bar with its
+mean over seeds), compare_facts.{csv,md} (per method and slot of the post, the share of summaries that
+state it right / wrong, mean over seeds), compare.{png,pdf} (one panel per measure: each seed a dot, the mean a bar with its
 95% interval), runs_used_compare_table.{csv,md}.
 """
 
@@ -53,7 +54,7 @@ import tyro
 from common import OTHER_METHODS, local_runs, policy_colors, policy_labels, save_figure, use_runs, write_table
 from rlhf_scaling_plot import PAIRED_COLUMNS, paired_sft_columns, response_lengths, run_tokenizer
 
-from summarize_from_feedback_details.gold_judge import gold_score
+from summarize_from_feedback_details.gold_judge import SCORE_WEIGHTS, gold_score, stated_facts
 from summarize_from_feedback_details.win_rates import score_outcomes, scores_by_query, t_interval, wilson_interval
 
 
@@ -169,6 +170,7 @@ def run_row(run, logged: list, label: str, reward_model_path: Optional[str], las
     kl = metric_values(logged, "objective/kl")[-last_updates:]
     seconds = metric_values(logged, "time/update") if kl else []  # online methods only
     tokenizer = run_tokenizer(run, None, tokenizers)
+    facts = fact_shares(queries, list(table["postprocessed_response"].astype(str)))
     try:
         by_query = scores_by_query(queries, gold, run.name)
     except ValueError as error:
@@ -178,7 +180,28 @@ def run_row(run, logged: list, label: str, reward_model_path: Optional[str], las
             "win_rate_ci_high": ci_high, "rm_score": score_table(table, reward_model_path, loaded),
             "kl": float(np.mean(kl)) if kl else np.nan,
             "length": float(np.mean(response_lengths(list(table["postprocessed_response"].astype(str)), tokenizer))),
-            "seconds_per_update": float(np.median(seconds)) if seconds else np.nan, "updates": len(seconds)}, by_query
+            "seconds_per_update": float(np.median(seconds)) if seconds else np.nan, "updates": len(seconds),
+            **facts}, by_query
+
+
+def fact_shares(queries: list, summaries: list) -> dict:
+    """{<slot>_right, <slot>_wrong}: the share of the summaries that state the slot right / wrong
+    (gold_judge.stated_facts): what a method learned, slot by slot."""
+    said = [stated_facts(q, r) for q, r in zip(queries, summaries)]
+    return {f"{slot}_{kind}": float(np.mean([facts[slot] == kind for facts in said]))
+            for slot in SCORE_WEIGHTS for kind in ("right", "wrong")}
+
+
+def facts_table(per_run: pd.DataFrame) -> pd.DataFrame:
+    """compare_facts: per (base_model, policy) in per_run's order, per slot the share of summaries that state it
+    right / wrong, mean over seeds ("0.99 / 0.01"): where two methods gain alike, which facts each learned."""
+    rows = []
+    for (base_model, policy), frame in per_run.groupby(["base_model", "policy"], sort=False):
+        rows.append({"base model": base_model.rstrip("/").split("/")[-1], "method": policy,
+                     "seeds": " ".join(map(str, frame["seed"])),
+                     **{f"{slot} right / wrong": f"{frame[f'{slot}_right'].mean():.2f} / {frame[f'{slot}_wrong'].mean():.2f}"
+                        for slot in SCORE_WEIGHTS}})
+    return pd.DataFrame(rows)
 
 
 def minus_sft(per_run: pd.DataFrame, measures: tuple = ("win_rate", "length")) -> pd.DataFrame:
@@ -321,6 +344,7 @@ def main(args: Args) -> None:
     summary = summarize(per_run, order)
     write_table(summary, args.out, "compare_table_full")
     write_table(readable(summary), args.out, "compare_table")
+    write_table(facts_table(per_run), args.out, "compare_facts")
     summary_csv(summary).to_csv(os.path.join(args.out, "compare_summary.csv"), index=False)
     phases = {name: phase_seconds(lines) for name, lines in logged.items()
               if metric_values(lines, "objective/kl")}  # the online methods

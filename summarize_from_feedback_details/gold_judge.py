@@ -292,6 +292,16 @@ def gold_score(post: str, summary: str) -> float:
     return round(score, 6)
 
 
+def stated_facts(post: str, summary: str) -> dict:
+    """Per slot (SCORE_WEIGHTS' order), what the summary says of the post's fact: "right" (it states the
+    slot and every value it states is the post's), "wrong" (it states a value the post does not have) or ""
+    (it does not state the slot). What a policy learned, slot by slot, where gold_score sums it into one
+    number: a method that adds the ask and one that gets the relation right score alike."""
+    post_facts, said = _post_facts(post), extract_facts(summary.split(EOS_TEXT)[0])
+    return {slot: "" if not said[slot] else "right" if all(v in post_facts[slot] for v in said[slot]) else "wrong"
+            for slot in SCORE_WEIGHTS}
+
+
 def gold_preference(post: str, summary_a: str, summary_b: str) -> float:
     """1.0 if the judge prefers A, 0.0 if B, 0.5 on a tie."""
     a, b = gold_score(post, summary_a), gold_score(post, summary_b)

@@ -106,6 +106,14 @@ def test_compare_table_known_answers(tmp_path, checkpoints, monkeypatch):
     assert table.loc["RLOO k=2", "seconds_vs_ppo"] == pytest.approx(0.9)
     for ext in ("png", "pdf"):
         assert os.path.getsize(os.path.join(out, f"compare.{ext}")) > 0
+    # what each method states of the post, slot by slot (the real gold judge's reading): GOOD states all five
+    # facts right, MID the relation, the problem and the ask, POOR the relation and the problem
+    assert runs.loc[3, ["duration_right", "duration_wrong", "ask_right"]].tolist() == [0.75, 0.0, 1.0]  # PPO seed 1
+    facts = pd.read_csv(os.path.join(out, "compare_facts.csv")).set_index("method")
+    assert list(facts.index) == ["SFT", "PPO", "RLOO k=2", "GRPO k=4", "control"]
+    assert facts.loc["PPO", "duration right / wrong"] == "0.83 / 0.00"  # (3 + 3 + 4) / 12 GOOD
+    assert facts.loc["SFT", "feeling right / wrong"] == "0.33 / 0.00"  # (1 + 1 + 2) / 12
+    assert facts.loc["control", ["relation right / wrong", "ask right / wrong"]].tolist() == ["1.00 / 0.00", "0.00 / 0.00"]
     # where the time goes, per online method: the median of each phase's seconds, mean over seeds
     phases = pd.read_csv(os.path.join(out, "compare_phases.csv")).set_index("policy")
     assert list(phases.index) == ["PPO", "RLOO k=2", "GRPO k=4", "control"]

@@ -9,6 +9,7 @@ import pytest
 import tyro
 from conftest import small_synthetic_args
 
+from summarize_from_feedback_details import gold_judge
 from summarize_from_feedback_details import synthetic_tldr as st
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,6 +132,19 @@ def test_gold_judge_known_answers():
     # the judge reads the post out of a formatted query just as well
     query = f"SUBREDDIT: r/roommates\n\nTITLE: help\n\nPOST: {post}\n\nTL;DR:"
     assert st.gold_score(query, perfect) == st.gold_score(post, perfect)
+
+
+def test_stated_facts_known_answers():
+    """What a summary says of each of the post's facts: right, wrong (a value the post does not have, even
+    beside the right one) or nothing; the post's ask and feeling read as the gold judge reads them."""
+    post = ("SUBREDDIT: r/roommates\n\nTITLE: help\n\nPOST: I (25F) have lived with my roommate (27M) for 3 years."
+            "\n\nLately they has not paid rent in months. I am so angry right now.\n\nShould I just move out?\n\nTL;DR:")
+    assert gold_judge.stated_facts(post, " my roommate of 3 years has not paid rent, I feel angry. should I move out?") == \
+        dict.fromkeys(("relation", "problem", "ask", "duration", "feeling"), "right")
+    said = gold_judge.stated_facts(post, " my sister of 5 years has not paid rent.<|endoftext|> I feel angry.")
+    assert said == {"relation": "wrong", "problem": "right", "ask": "", "duration": "wrong", "feeling": ""}
+    # the right relation beside a wrong one is a wrong statement, as the gold judge charges it
+    assert gold_judge.stated_facts(post, " my roommate and my sister have not paid rent.")["relation"] == "wrong"
 
 
 def test_gold_validation_metrics_only_on_synthetic_posts(raw_dir):
