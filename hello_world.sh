@@ -11,8 +11,8 @@
 #   ./hello_world.sh --data    only the embedded default's data, base models (every size) and
 #                              tokenized datasets (what the sweeps and the sbatch files' TINY=1 mode read)
 #   SIDE_BY_SIDE=0 ./hello_world.sh
-#                              one stage at a time, repeatable to the digit (side by side, a stage
-#                              takes the other chain's cores at an update that depends on timing)
+#                              one stage at a time (another draw: the reward model on every core
+#                              throughout); either way a rerun repeats the table to the digit
 #   ARCH=llama ./hello_world.sh
 #                              the embedded default on a Llama-style model (ARCH=qwen3: Qwen3-style),
 #                              with that family's tokenizer conventions; models/tiny_<arch>/,
@@ -167,7 +167,8 @@ fi
 # than from a second job: 100 reward-model updates took 74 s on two threads, 108 s on one, and two
 # one-thread runs side by side 109 s (a two-thread run beside a one-thread run: 138 s and 135 s). The
 # thread count changes only the order of float sums (the reward loss after those 100 updates:
-# 0.633293 on one thread, 0.633277 on two), but that noise grows over a run like a seed's.
+# 0.633293 on one thread, 0.633277 on two), but that noise grows over a run like a seed's: which
+# updates run on how many threads is fixed in advance (REWARD_TAKES_CORES_AT below), never timing's.
 # SIDE_BY_SIDE=0, or OMP_NUM_THREADS set (the sweeps' parallel runs, make test): one stage at a time.
 SIDE_BY_SIDE=${SIDE_BY_SIDE:-1}
 if [[ $TINY == 0 || ($NUM_GPUS -gt 0 && -z ${ACCELERATE_USE_CPU:-}) || -n ${OMP_NUM_THREADS:-} ]] \
@@ -193,20 +194,21 @@ stop_side_chain() {
     if [[ -n $MARKERS ]]; then rm -rf "$MARKERS"; fi
 }
 trap stop_side_chain EXIT
-# beside SIDE_STAGE... -- STAGE...: the SIDE_STAGEs in the background (their output in
-# runs/${NAME}_side_by_side.log) and the STAGEs here, each chain on half the cores; when one chain
-# ends, the stage running in the other takes every core (TAKE_CORES_WHEN_GONE, infra/cores.py: it
-# watches the other chain's marker file). Returns when both chains are done, and fails, showing the
-# side chain's last lines, when either did.
+# beside UPDATE SIDE_STAGE... -- STAGE...: the SIDE_STAGEs in the background (their output in
+# runs/${NAME}_side_by_side.log) and the STAGEs here, each chain on half the cores; the last STAGE
+# takes every core at the end of its update UPDATE, waiting there for the side chain to end if it
+# has not (TAKE_CORES_AT, infra/cores.py: it watches the side chain's marker file). Returns when both
+# chains are done, and fails, showing the side chain's last lines, when either did.
 beside() {
-    local side=() cores threads log=runs/${NAME}_side_by_side.log stage names
+    local side=() cores threads log=runs/${NAME}_side_by_side.log stage names hand_off=$1
     cores=$(nproc)
     threads=$((cores / 2))
+    shift
     while [[ $1 != -- ]]; do side+=("$1"); shift; done
     shift
     names=${side[*]+"${side[*]}"}
     MARKERS=$(mktemp -d)
-    touch "$MARKERS/side" "$MARKERS/main"
+    touch "$MARKERS/side"
     mkdir -p runs
     # the last run's log is kept beside (a stopped run's says where its stages stopped)
     if [[ -f $log ]]; then mv "$log" "${log%.log}.previous.log"; fi
@@ -217,17 +219,17 @@ beside() {
         # stop_side_chain's SIGTERM (its stage gets one of its own): no later stage starts
         stopping=
         trap 'stopping=1' TERM
-        export OMP_NUM_THREADS=$threads TAKE_CORES_WHEN_GONE="$cores $MARKERS/main"
+        export OMP_NUM_THREADS=$threads
         for stage in ${side[@]+"${side[@]}"}; do
             if [[ -n $stopping ]]; then exit 75; fi
             $stage
         done
     ) >"$log" 2>&1 &
     SIDE_PID=$!
-    export OMP_NUM_THREADS=$threads TAKE_CORES_WHEN_GONE="$cores $MARKERS/side"
-    for stage in "$@"; do $stage; done
-    rm -f "$MARKERS/main"
-    unset OMP_NUM_THREADS TAKE_CORES_WHEN_GONE
+    export OMP_NUM_THREADS=$threads
+    while (($# > 1)); do $1; shift; done
+    TAKE_CORES_AT="$cores $MARKERS/side $hand_off" $1
+    unset OMP_NUM_THREADS
     if ! wait "$SIDE_PID"; then
         SIDE_PID=
         tail -n 40 "$log" >&2
@@ -427,10 +429,17 @@ if [[ $TINY == 1 ]]; then
             run_training ppo ppo_left_padding.py "${PPO_ARGS[@]}" --reward_model_path $OUT_DIR/reward_model \
                 --output_dir $OUT_DIR/ppo
     }
+    # Side by side, the reward model takes the policy chain's core at the end of its update
+    # REWARD_TAKES_CORES_AT, waiting there if the policy's SFT and DPO still run: an update fixed in
+    # advance, so that a rerun prints the same table to the digit. About where that chain ends: after
+    # two reward-model updates per DPO update (on two cores the Qwen3-style reward model had done 416
+    # when the 187 of DPO ended); without DPO, at the reward model's start.
+    REWARD_TAKES_CORES_AT=0
+    if wanted dpo; then REWARD_TAKES_CORES_AT=$((2 * DPO_PAIRS / TINY_DPO_BATCH)); fi
     if [[ $SIDE_BY_SIDE == 1 ]]; then
         side=(stage_sft_policy)
         ! wanted dpo || side+=(stage_dpo)
-        beside ${side[@]+"${side[@]}"} -- stage_sft_all_tokens stage_reward
+        beside "$REWARD_TAKES_CORES_AT" ${side[@]+"${side[@]}"} -- stage_sft_all_tokens stage_reward
         stage_ppo
     else
         stage_sft_all_tokens

@@ -24,13 +24,13 @@ import json, os, sys, time
 with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps([os.path.basename(sys.argv[0])] + sys.argv[1:]) + "\\n")
 # EVENTS: when each stage (by its --output_dir) starts and ends, on how many threads, and which cores
-# it takes when (TAKE_CORES_WHEN_GONE); SLOW_STAGE takes a second; FAILING_STAGE fails
+# it takes at which update (TAKE_CORES_AT); SLOW_STAGE takes a second; FAILING_STAGE fails
 stage = sys.argv[sys.argv.index("--output_dir") + 1] if "--output_dir" in sys.argv else None
 def event(what):
     if os.environ.get("EVENTS") and stage:
         with open(os.environ["EVENTS"], "a") as f:
             f.write(json.dumps([what, stage, os.environ.get("OMP_NUM_THREADS"),
-                                os.environ.get("TAKE_CORES_WHEN_GONE")]) + "\\n")
+                                os.environ.get("TAKE_CORES_AT")]) + "\\n")
 event("start")
 # like a stage (infra/preflight.py, infra/checkpoints.py): a checkpoint in <output_dir>/checkpoints is
 # refused without --resume and needed with it, a fresh run refuses a run folder with logs, a resumed one
@@ -259,7 +259,7 @@ def cores(checkout, count):
 
 def events(checkout):
     """(start or end, the training stage's model folder under models/hello_world, OMP_NUM_THREADS,
-    TAKE_CORES_WHEN_GONE)"""
+    TAKE_CORES_AT)"""
     lines = [json.loads(line) for line in (checkout / "events.jsonl").read_text().splitlines()]
     out = "models/hello_world/"
     return [(what, stage.removeprefix(out), *env) for what, stage, *env in lines if stage.startswith(out)]
@@ -267,8 +267,9 @@ def events(checkout):
 
 def test_the_policy_chain_runs_beside_the_reward_model_chain_on_a_cpu(checkout):
     """On a CPU of 4 cores, the policy's SFT and DPO run in the background beside the reward model's
-    SFT and the reward model, each chain on 2 threads, each stage watching the other chain's marker
-    to take all 4 once that chain ends; PPO waits for both and gets every core."""
+    SFT and the reward model, each chain on 2 threads; the reward model alone takes all 4, at the end
+    of its update 375 (two per DPO update: 6000 pairs at batch 32), once the other chain's marker is
+    gone (without DPO, at its start); PPO waits for both and gets every core."""
     cores(checkout, 4)
     result, calls = run(checkout, 0, SIDE_BY_SIDE="1", EVENTS=str(checkout / "events.jsonl"),
                         SLOW_STAGE="models/hello_world/dpo")
@@ -277,9 +278,9 @@ def test_the_policy_chain_runs_beside_the_reward_model_chain_on_a_cpu(checkout):
     threads = {stage: omp for what, stage, omp, _ in seen if what == "start"}
     assert threads == {"sft": "2", "dpo": "2", "sft_all_tokens": "2", "reward_model": "2", "ppo": None}
     take = {stage: cores_spec for what, stage, _, cores_spec in seen if what == "start"}
-    assert take["ppo"] is None and take["sft"] == take["dpo"] and take["sft_all_tokens"] == take["reward_model"]
-    count, side_marker = take["sft_all_tokens"].split(" ", 1)
-    assert count == "4" and side_marker.endswith("/side") and take["sft"] == f"4 {side_marker[:-len('side')]}main"
+    assert {stage for stage, cores_spec in take.items() if cores_spec} == {"reward_model"}
+    count, side_marker, update = take["reward_model"].split(" ")
+    assert count == "4" and side_marker.endswith("/side") and update == "375"
     assert not os.path.exists(os.path.dirname(side_marker))  # the markers go with the run
     order = [(what, stage) for what, stage, _, _ in seen]
     for before, after in ((("end", "sft"), ("start", "dpo")), (("end", "sft_all_tokens"), ("start", "reward_model")),
@@ -290,8 +291,11 @@ def test_the_policy_chain_runs_beside_the_reward_model_chain_on_a_cpu(checkout):
     assert f"output: {log.relative_to(checkout)}" in result.stdout and "== dpo.py done in" in log.read_text()
     assert "==   dpo.py done in" in result.stdout  # the side chain's stages, listed when it is done
     # ALGOS without dpo: the policy's SFT alone beside the reward model's chain
-    result, _ = run(checkout, 0, "--force", SIDE_BY_SIDE="1", ALGOS="ppo")
+    (checkout / "events.jsonl").unlink()
+    result, _ = run(checkout, 0, "--force", SIDE_BY_SIDE="1", ALGOS="ppo", EVENTS=str(checkout / "events.jsonl"))
     assert result.returncode == 0 and "sft_policy in the background" in result.stdout and "dpo" not in log.read_text()
+    assert [cores_spec.split(" ")[-1] for what, stage, _, cores_spec in events(checkout)
+            if what == "start" and stage == "reward_model"] == ["0"]
 
 
 @pytest.mark.parametrize("setting", ["SIDE_BY_SIDE=0", "OMP_NUM_THREADS=1", "one core", "a GPU"])

@@ -344,11 +344,12 @@ def test_batch_arithmetic_line(capsys, tmp_path):
                        "weight_decay 0.01; gradient clipping off; offload False")
 
 
-def test_take_cores_when_gone_known_answers():
-    assert cores.parse_spec(None) == cores.parse_spec("") == (None, None)
-    assert cores.parse_spec("4 /tmp/a b/side") == (4, "/tmp/a b/side")
-    for bad in ("4", "two /tmp/side", "0 /tmp/side", "-1 /tmp/side", " /tmp/side"):
-        with pytest.raises(ValueError, match="TAKE_CORES_WHEN_GONE=.*expected '<threads> <marker file>'"):
+def test_take_cores_at_known_answers():
+    assert cores.parse_spec(None) == cores.parse_spec("") == (None, None, None)
+    assert cores.parse_spec("4 /tmp/a b/side 375") == (4, "/tmp/a b/side", 375)
+    for bad in ("4", "4 /tmp/side", "two /tmp/side 3", "0 /tmp/side 3", "-1 /tmp/side 3", " /tmp/side 3",
+                "4 /tmp/side -3", "4 /tmp/side x", "4  3"):
+        with pytest.raises(ValueError, match="TAKE_CORES_AT=.*expected '<threads> <marker file> <update>'"):
             cores.parse_spec(bad)
 
 
@@ -359,31 +360,71 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def test_cores_are_taken_once_the_marker_is_gone(tmp_path, restore_threads):
-    """Nothing changes while the other chain's marker exists; once it is gone, the next look (at most
-    every CHECK_EVERY_SECONDS) sets torch's thread count, once."""
-    marker, now = tmp_path / "side", [0.0]
+def test_cores_are_taken_at_the_update_once_the_marker_is_gone(tmp_path, restore_threads):
+    """Before the hand-off update nothing changes, whether the marker exists or not; at it, the stage
+    waits (sleeping, looking every CHECK_EVERY_SECONDS) until the marker is gone, then sets torch's
+    thread count, once; a stop signal while waiting leaves it waiting no longer and takes nothing."""
+    marker, sleeps, reports = tmp_path / "side", [], []
+
+    def sleep(seconds):  # the other chain ends during the third look
+        sleeps.append(seconds)
+        if len(sleeps) == 3:
+            marker.unlink()
+
+    at_update = cores.CoresAtUpdate(f"{restore_threads + 1} {marker} 5", sleep=sleep)
+    assert at_update.poll(4, report=reports.append) is None  # (the marker is gone: still not before 5)
     marker.touch()
-    freed = cores.CoresWhenFreed(f"{restore_threads + 1} {marker}", clock=lambda: now[0])
-    assert freed.poll() is None and torch.get_num_threads() == restore_threads
-    marker.unlink()
-    now[0] = cores.CHECK_EVERY_SECONDS / 2
-    assert freed.poll() is None and torch.get_num_threads() == restore_threads  # not looked at yet
-    now[0] = cores.CHECK_EVERY_SECONDS
-    assert freed.poll() == restore_threads + 1 and torch.get_num_threads() == restore_threads + 1
-    now[0] = 10 * cores.CHECK_EVERY_SECONDS
-    assert freed.poll() is None
-    assert cores.CoresWhenFreed(None).poll() is None
+    assert at_update.poll(4, report=reports.append) is None and not sleeps and not reports
+    assert at_update.poll(5, report=reports.append) == restore_threads + 1
+    assert torch.get_num_threads() == restore_threads + 1 and sleeps == [cores.CHECK_EVERY_SECONDS] * 3
+    assert reports == [f"update 5: waiting for the job beside to end, then on {restore_threads + 1} threads "
+                       "(this update is fixed in advance, so that timing changes no result)"]
+    assert at_update.poll(6) is None and len(sleeps) == 3  # once
+    marker.touch()
+    stopped = cores.CoresAtUpdate(f"{restore_threads + 2} {marker} 0", sleep=lambda seconds: None)
+    assert stopped.poll(0, stopping=lambda: True, report=reports.append) is None
+    assert torch.get_num_threads() == restore_threads + 1
+    assert cores.CoresAtUpdate(None).poll(10**6) is None
 
 
-def test_a_stage_loop_takes_the_freed_cores(tmp_path, monkeypatch, capsys, restore_threads):
-    """Run.progress, which every stage's loops go through, polls between two items."""
-    monkeypatch.setenv(cores.ENV, f"{restore_threads + 1} {tmp_path / 'gone'}")
+def threads_per_update(tmp_path, monkeypatch, hand_off: int, start_update: int, marker_gone_after: float,
+                       updates: int = 6) -> list:
+    """The torch thread count each update of a stage loop ran on (Run.progress, the end of each
+    update counted as Checkpoints.after_update counts it), with the other chain's marker gone after
+    `marker_gone_after` seconds of (fake) waiting or at the `marker_gone_after`-th update."""
+    marker = tmp_path / f"side_{hand_off}_{start_update}_{marker_gone_after}"
+    marker.touch()
+    base = torch.get_num_threads()
+    monkeypatch.setenv(cores.ENV, f"{base + 1} {marker} {hand_off}")
+    monkeypatch.setattr(cores.time, "sleep", lambda seconds: marker.unlink(missing_ok=True))
     run = launch.Run(sft.Args(), types.SimpleNamespace(is_main_process=True, state=types.SimpleNamespace(
         deepspeed_plugin=None)), {}, None, 1, None)
-    assert list(run.progress(range(3), 3, "reward")) == [0, 1, 2]
-    assert torch.get_num_threads() == restore_threads + 1
-    assert f"reward: the job beside this one ended; now on {restore_threads + 1} threads" in capsys.readouterr().out
+    run.checkpoints = types.SimpleNamespace(update=start_update, signal=None)
+    seen = []
+    for update in run.progress(range(start_update + 1, updates + 1), updates - start_update, "reward"):
+        seen.append(torch.get_num_threads())
+        if update >= marker_gone_after:
+            marker.unlink(missing_ok=True)
+        run.checkpoints.update = update
+    torch.set_num_threads(base)
+    return [thread - base for thread in seen]
+
+
+def test_a_stage_takes_the_cores_at_the_same_update_whatever_the_timing(tmp_path, monkeypatch, capsys,
+                                                                        restore_threads):
+    """Run.progress, which every stage's loops go through: updates 1-3 on the chain's threads and 4-6
+    on every core, whether the other chain ended at update 1 (the stage goes on alone to update 3),
+    at update 3, or after it (the stage waits at the end of update 3); a run resumed at update 4 or 3
+    runs its remaining updates as the uninterrupted run did (a resume never repeats the hand-off)."""
+    uninterrupted = [0, 0, 0, 1, 1, 1]
+    for gone in (1, 3, 10**6):
+        assert threads_per_update(tmp_path, monkeypatch, 3, 0, gone) == uninterrupted, gone
+    out = capsys.readouterr().out
+    assert out.count("reward: the job beside this one ended; from update 4 on") == 3
+    assert out.count("reward: update 3: waiting for the job beside to end") == 1  # (only when it had not)
+    assert threads_per_update(tmp_path, monkeypatch, 3, 4, 10**6) == uninterrupted[4:]
+    assert threads_per_update(tmp_path, monkeypatch, 3, 3, 10**6) == uninterrupted[3:]
+    assert threads_per_update(tmp_path, monkeypatch, 3, 2, 10**6) == uninterrupted[2:]
 
 
 def test_shared_modules_say_why_they_exist():

@@ -17,9 +17,10 @@ every stage, and is written once:
 - `tracking`: `Logger`, `EarlyWarnings`, `progress` and `PhaseTimer`;
 - `saving`: the final save, the disk room it needs, its rescue, and `push_to_hub`;
 - `flags`: `parse_args`, with our names for flags that other codebases name differently;
-- `cores`: the torch threads a stage takes over when the chain beside it ends (hello_world's two
-  chains). Threads change only the order of float sums: a result by float noise, which a run's later
-  updates can grow as a seed's difference grows, never by what is computed.
+- `cores`: the torch threads a stage takes over, at an update fixed in advance, once the chain beside
+  it has ended (hello_world's two chains). Threads change only the order of float sums: a result by
+  float noise, which a run's later updates can grow as a seed's difference grows, never by what is
+  computed; a fixed update keeps that noise the same on every rerun.
 
 No base classes, callbacks or hooks: plain functions and a few concrete classes that a stage calls
 where the reader sees it. Importing a module does nothing but define it: the libraries' noise is

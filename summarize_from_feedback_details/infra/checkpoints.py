@@ -144,6 +144,7 @@ class Checkpoints:
         self.accelerator, self.model, self.optimizer, self.objects = accelerator, model, optimizer, objects
         self.deepspeed = accelerator.state.deepspeed_plugin is not None
         self.signal = None
+        self.update = 0  # the last update ended (Run: a resumed run's first; infra/cores.py reads it)
         # (update, run name, logger, records, where the logs stood) of the last update ended, and the
         # random streams then: where a stop after training (in its evaluations) saves
         self.position: Optional[tuple] = None
@@ -192,6 +193,7 @@ class Checkpoints:
     def after_update(self, update: int, run_name: str, logger, records=None) -> None:
         """The safe point at the end of an update: saves a checkpoint when one is due, and after a
         signal (on any rank; all ranks stop at the same update) exits."""
+        self.update = update
         if self.folder is None:
             return
         logger_state = logger.state() if self.accelerator.is_main_process else None

@@ -30,7 +30,7 @@ from transformers.utils import logging as transformers_logging
 
 from summarize_from_feedback_details.infra.checkpoints import (Checkpoints, changed_settings, find_checkpoint,
                                                                lora_identity, rng_state, run_settings)
-from summarize_from_feedback_details.infra.cores import ENV as TAKE_CORES_ENV, CoresWhenFreed
+from summarize_from_feedback_details.infra.cores import ENV as TAKE_CORES_ENV, CoresAtUpdate
 from summarize_from_feedback_details.infra.lora import check_peft_args, merged_model, saved_form
 from summarize_from_feedback_details.infra.preflight import (check_fresh_start, check_settings, cuda_problem,
                                                              lock_output_dir)
@@ -164,7 +164,7 @@ class Run:
         self.key_metrics: tuple = ()  # what the progress lines and the summary show (progress)
         self.loss_finite = None  # (optimizer_step: whether this step's micro-batch losses were finite)
         self.deepspeed_skipped = 0
-        self.freed_cores = CoresWhenFreed(os.environ.get(TAKE_CORES_ENV))  # (progress)
+        self.cores_at_update = CoresAtUpdate(os.environ.get(TAKE_CORES_ENV))  # (progress)
 
     def print(self, *objects, **kwargs) -> None:
         """Prints on the main process only."""
@@ -210,6 +210,7 @@ class Run:
                 self.print(f"[bold yellow]WARNING: resumed with changed settings (--accept_changed_settings): "
                            f"{'; '.join(self.changed_settings)}")
         logger = Logger(self.args, self.accelerator, resume=self.resumed[1]["logger"] if self.resumed else None)
+        checkpoints.update = self.start_update
         checkpoints.position = (self.start_update, self.args.run_name, logger, self.records,
                                 logger.state() if self.accelerator.is_main_process else None)
         checkpoints.position_rng = rng_state()
@@ -288,13 +289,21 @@ class Run:
         if key_metrics:
             self.key_metrics = key_metrics
         status = (lambda: metric_status(self.logger.latest, key_metrics)) if key_metrics and self.logger else None
+        self.take_cores(description)  # (a run resumed past the hand-off update: before its first item)
         for item in progress(iterable, total, description, self.accelerator.is_main_process, status):
             yield item
-            taken = self.freed_cores.poll()
-            if taken:
-                self.print(f"{description}: the job beside this one ended; now on {taken} threads")
+            self.take_cores(description)
             if stoppable and self.checkpoints is not None:
                 self.checkpoints.stop_if_asked()
+
+    def take_cores(self, description: str) -> None:
+        """From the update TAKE_CORES_AT names on, the cores of the job beside once it has ended
+        (infra/cores.py), the update read from the checkpoints' count of updates ended."""
+        update = self.checkpoints.update if self.checkpoints is not None else self.start_update
+        stopping = lambda: self.checkpoints is not None and self.checkpoints.signal is not None  # noqa: E731
+        taken = self.cores_at_update.poll(update, stopping, lambda message: self.print(f"{description}: {message}"))
+        if taken:
+            self.print(f"{description}: the job beside this one ended; from update {update + 1} on {taken} threads")
 
     def merged_lora_model(self, model, load_base):
         """A LoRA run's trained `model` as the plain model it is saved as, on every process: the
