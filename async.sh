@@ -3,7 +3,8 @@
 # GRPO (k=4) and online DPO at --async_steps N for each N of STEPS (the rollouts of update t sampled by
 # the policy of update t - N), seeds SEEDS, every run from hello_world's SFT policy and reward model
 # (./hello_world.sh first, whose finished stages are skipped) at its 15 updates of 64 episodes; then
-# eval/async_table.py: eval/images/async/async_summary.csv and its plots.
+# eval/async_table.py: eval/images/async/async_summary.csv and its plots; eval/learner_kl.py: the
+# final policies' own KL to SFT (async_learner_kl.csv).
 #
 #   make async                       (or ./async.sh): STEPS="0 1 2 4 8" x SEEDS="1 2 3"
 #   STEPS="0 2" SEEDS=1 ./async.sh   a smaller grid (the table takes every run found)
@@ -94,4 +95,6 @@ fi
 
 echo "=== async: the table and plots over every async${ARCH_SUFFIX} run in $OUT"
 .venv/bin/python eval/async_table.py --run_glob "async${ARCH_SUFFIX}_n*" --sft_run "${BASE}_sft" --out "$OUT"
+# the learner's own KL to SFT, which objective/kl (read on the stale rollouts) is not
+.venv/bin/python eval/learner_kl.py --run_glob "async${ARCH_SUFFIX}_n*" --queries 200 --out "$OUT"
 echo "=== async: $total (N, seed) pairs in $((SECONDS - start)) s; the table: $OUT/async_summary.md"

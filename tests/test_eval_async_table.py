@@ -78,3 +78,32 @@ def test_async_table_needs_its_sft_run(tmp_path):
     os.makedirs(tmp_path / "runs")
     with pytest.raises(FileNotFoundError, match="no SFT run"):
         async_table.main(async_table.Args(runs_dir=str(tmp_path / "runs"), out=str(tmp_path / "out")))
+
+
+def test_learner_kl_is_the_exact_kl_of_the_first_token(checkpoints):
+    """eval/learner_kl.py's estimate on one-token responses against the exact KL of the two next-token
+    distributions at the query's end (fp32 logits / T, [PAD] and the ids past the tokenizer excluded):
+    within 4 standard errors over 4,000 samples; a policy against itself: 0 exactly."""
+    import torch
+
+    import learner_kl
+    from summarize_from_feedback_details.infra.loading import load_policy, load_tokenizer
+
+    sft_path, _ = checkpoints
+    tokenizer = load_tokenizer(sft_path)
+    sft = load_policy(sft_path, tokenizer).eval()
+    policy = load_policy(sft_path, tokenizer).eval()
+    with torch.no_grad():  # a sharper policy than the SFT
+        policy.get_output_embeddings().weight.mul_(2.0)
+    query = torch.tensor(tokenizer("SUBREDDIT: r/relationships POST: my sister and I argued TL;DR:")["input_ids"])
+    queries, temperature = query.repeat(4000, 1), 0.7
+    estimate = learner_kl.learner_kl(policy, sft, queries, tokenizer, temperature, 1, seed=3, batch_size=1000)
+    with torch.no_grad():
+        logprobs = [torch.log_softmax(learner_kl.scaled_logits(model(input_ids=query[None]).logits[0, -1], temperature,
+                                                                tokenizer.pad_token_id, len(tokenizer)), -1)
+                    for model in (policy, sft)]
+    exact = (logprobs[0].exp() * (logprobs[0] - logprobs[1])).sum().item()
+    assert exact > 0.1  # (the two models differ: a test that could not tell them apart would prove nothing)
+    assert abs(estimate.mean().item() - exact) < 4 * estimate.std().item() / len(estimate) ** 0.5
+    assert torch.equal(learner_kl.learner_kl(sft, sft, queries[:200], tokenizer, temperature, 8, 3, 100),
+                       torch.zeros(200))
