@@ -95,13 +95,17 @@ def per_run_table(args: Args) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def by_method_and_steps(per_run: pd.DataFrame) -> list:
+    """((method, async_steps), rows) of `per_run`, methods in METHODS' order and N rising."""
+    order = list(METHODS.values())
+    return sorted(per_run.groupby(["method", "async_steps"]), key=lambda item: (order.index(item[0][0]), item[0][1]))
+
+
 def summarize(per_run: pd.DataFrame) -> pd.DataFrame:
     """One row per (method, async_steps), methods in METHODS' order and N rising: the mean over seeds
     of each measure, the 95% t-interval over seeds of the gold difference (nan from one seed)."""
     rows = []
-    order = list(METHODS.values())
-    for (method, steps), frame in sorted(per_run.groupby(["method", "async_steps"]),
-                                         key=lambda item: (order.index(item[0][0]), item[0][1])):
+    for (method, steps), frame in by_method_and_steps(per_run):
         low, high = t_interval(frame["gold_minus_sft"])
         rows.append({"method": method, "async_steps": steps, "seeds": len(frame),
                      "gold_minus_sft": frame["gold_minus_sft"].mean(), "gold_minus_sft_low": low,

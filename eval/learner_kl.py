@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 import tyro
-from async_table import METHODS, study_runs
+from async_table import METHODS, by_method_and_steps, study_runs
 from common import write_table
 from compare_table import metric_values, read_logged
 
@@ -96,9 +96,8 @@ def per_run_table(args: Args) -> pd.DataFrame:
 def summarize(per_run: pd.DataFrame) -> pd.DataFrame:
     """Per (method, async_steps), methods in METHODS' order and N rising: means over seeds, learner_kl's
     95% t-interval over seeds."""
-    rows, order = [], list(METHODS.values())
-    for (method, steps), frame in sorted(per_run.groupby(["method", "async_steps"]),
-                                         key=lambda item: (order.index(item[0][0]), item[0][1])):
+    rows = []
+    for (method, steps), frame in by_method_and_steps(per_run):
         low, high = t_interval(frame["learner_kl"])
         rows.append({"method": method, "async_steps": steps, "seeds": len(frame),
                      "learner_kl": frame["learner_kl"].mean(), "learner_kl_low": low, "learner_kl_high": high,
