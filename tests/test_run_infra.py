@@ -427,6 +427,26 @@ def test_a_stage_takes_the_cores_at_the_same_update_whatever_the_timing(tmp_path
     assert threads_per_update(tmp_path, monkeypatch, 3, 2, 10**6) == uninterrupted[2:]
 
 
+def test_a_stop_while_waiting_for_the_cores_saves_that_update(tmp_path, monkeypatch, restore_threads):
+    """A stop signal while the stage waits at the hand-off update: the checkpoint of that update is
+    saved there (Checkpoints.stop_if_asked, which exits), not after one more update on the chain's
+    threads, and no cores are taken."""
+    marker = tmp_path / "side"
+    marker.touch()
+    monkeypatch.setenv(cores.ENV, f"{restore_threads + 1} {marker} 3")
+    monkeypatch.setattr(cores.time, "sleep", lambda seconds: None)
+    run = launch.Run(sft.Args(), types.SimpleNamespace(is_main_process=True, state=types.SimpleNamespace(
+        deepspeed_plugin=None)), {}, None, 1, None)
+    saved = []
+    run.checkpoints = types.SimpleNamespace(update=2, signal=None,
+                                            stop_if_asked=lambda: saved.append(run.checkpoints.update))
+    run.take_cores("reward")
+    assert saved == []  # (before the hand-off update: no wait, nothing to stop)
+    run.checkpoints.update, run.checkpoints.signal = 3, "SIGTERM"
+    run.take_cores("reward")
+    assert saved == [3] and torch.get_num_threads() == restore_threads
+
+
 def test_shared_modules_say_why_they_exist():
     for module in SHARED:
         doc = ast.get_docstring(ast.parse(source(module)))

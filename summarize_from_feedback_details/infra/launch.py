@@ -298,10 +298,14 @@ class Run:
 
     def take_cores(self, description: str) -> None:
         """From the update TAKE_CORES_AT names on, the cores of the job beside once it has ended
-        (infra/cores.py), the update read from the checkpoints' count of updates ended."""
+        (infra/cores.py), the update read from the checkpoints' count of updates ended. A stop signal
+        while waiting for them saves the checkpoint of that update and exits, so that the resumed run
+        takes the cores where the uninterrupted one did."""
         update = self.checkpoints.update if self.checkpoints is not None else self.start_update
         stopping = lambda: self.checkpoints is not None and self.checkpoints.signal is not None  # noqa: E731
         taken = self.cores_at_update.poll(update, stopping, lambda message: self.print(f"{description}: {message}"))
+        if taken is None and stopping():
+            self.checkpoints.stop_if_asked()
         if taken:
             self.print(f"{description}: the job beside this one ended; from update {update + 1} on {taken} threads")
 
