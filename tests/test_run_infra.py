@@ -382,8 +382,8 @@ def test_cores_are_taken_at_the_update_once_the_marker_is_gone(tmp_path, restore
     assert at_update.poll(6) is None and len(sleeps) == 3  # once
     marker.touch()
     stopped = cores.CoresAtUpdate(f"{restore_threads + 2} {marker} 0", sleep=lambda seconds: None)
-    assert stopped.poll(0, stopping=lambda: True, report=reports.append) is None
-    assert torch.get_num_threads() == restore_threads + 1
+    assert stopped.poll(0, stopping=lambda: True, report=reports.append) is None and stopped.stopped
+    assert torch.get_num_threads() == restore_threads + 1 and not at_update.stopped
     assert cores.CoresAtUpdate(None).poll(10**6) is None
 
 
@@ -440,9 +440,10 @@ def test_a_stop_while_waiting_for_the_cores_saves_that_update(tmp_path, monkeypa
     saved = []
     run.checkpoints = types.SimpleNamespace(update=2, signal=None,
                                             stop_if_asked=lambda: saved.append(run.checkpoints.update))
+    run.checkpoints.signal = "SIGTERM"
     run.take_cores("reward")
-    assert saved == []  # (before the hand-off update: no wait, nothing to stop)
-    run.checkpoints.update, run.checkpoints.signal = 3, "SIGTERM"
+    assert saved == []  # (before the hand-off update no wait: a signal is the stage's own loop's to answer)
+    run.checkpoints.update = 3
     run.take_cores("reward")
     assert saved == [3] and torch.get_num_threads() == restore_threads
 

@@ -40,6 +40,7 @@ class CoresAtUpdate:
     def __init__(self, spec: Optional[str], sleep: Optional[Callable[[float], None]] = None):
         self.threads, self.marker, self.update = parse_spec(spec)
         self.sleep = sleep or time.sleep
+        self.stopped = False  # whether the last poll gave up waiting for a stop signal
 
     def poll(self, update: int, stopping: Callable[[], bool] = lambda: False,
              report: Callable[[str], None] = print) -> Optional[int]:
@@ -53,7 +54,8 @@ class CoresAtUpdate:
             report(f"update {update}: waiting for the job beside to end, then on {self.threads} threads "
                    f"(this update is fixed in advance, so that timing changes no result)")
         while os.path.exists(self.marker):
-            if stopping():
+            self.stopped = stopping()
+            if self.stopped:
                 return None
             self.sleep(CHECK_EVERY_SECONDS)
         self.marker = None

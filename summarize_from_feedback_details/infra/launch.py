@@ -304,7 +304,7 @@ class Run:
         update = self.checkpoints.update if self.checkpoints is not None else self.start_update
         stopping = lambda: self.checkpoints is not None and self.checkpoints.signal is not None  # noqa: E731
         taken = self.cores_at_update.poll(update, stopping, lambda message: self.print(f"{description}: {message}"))
-        if taken is None and stopping():
+        if self.cores_at_update.stopped:
             self.checkpoints.stop_if_asked()
         if taken:
             self.print(f"{description}: the job beside this one ended; from update {update + 1} on {taken} threads")
