@@ -433,7 +433,7 @@ if [[ $TINY == 1 ]]; then
     # REWARD_TAKES_CORES_AT, waiting there if the policy's SFT and DPO still run: an update fixed in
     # advance, so that a rerun prints the same table to the digit. About where that chain ends: after
     # two reward-model updates per DPO update (on two cores the Qwen3-style reward model had done 416
-    # when the 187 of DPO ended); without DPO, at the reward model's start.
+    # when the 187 of DPO ended; GPT-NeoX's reached 375 first and waited); without DPO, at its start.
     REWARD_TAKES_CORES_AT=0
     if wanted dpo; then REWARD_TAKES_CORES_AT=$((2 * DPO_PAIRS / TINY_DPO_BATCH)); fi
     if [[ $SIDE_BY_SIDE == 1 ]]; then
