@@ -29,7 +29,7 @@ from common import write_table
 from compare_table import metric_values, read_logged
 
 from summarize_from_feedback_details.infra.loading import load_policy, load_split_dataset, load_tokenizer
-from summarize_from_feedback_details.online_dpo import response_logprob_sums, scaled_logits  # noqa: F401 (tests)
+from summarize_from_feedback_details.online_dpo import response_logprob_sums
 from summarize_from_feedback_details.rollout import SamplingGroup, decode
 from summarize_from_feedback_details.win_rates import t_interval
 

@@ -88,6 +88,7 @@ def test_learner_kl_is_the_exact_kl_of_the_first_token(checkpoints):
 
     import learner_kl
     from summarize_from_feedback_details.infra.loading import load_policy, load_tokenizer
+    from summarize_from_feedback_details.online_dpo import scaled_logits
 
     sft_path, _ = checkpoints
     tokenizer = load_tokenizer(sft_path)
@@ -99,8 +100,8 @@ def test_learner_kl_is_the_exact_kl_of_the_first_token(checkpoints):
     queries, temperature = query.repeat(4000, 1), 0.7
     estimate = learner_kl.learner_kl(policy, sft, queries, tokenizer, temperature, 1, seed=3, batch_size=1000)
     with torch.no_grad():
-        logprobs = [torch.log_softmax(learner_kl.scaled_logits(model(input_ids=query[None]).logits[0, -1], temperature,
-                                                                tokenizer.pad_token_id, len(tokenizer)), -1)
+        logprobs = [torch.log_softmax(scaled_logits(model(input_ids=query[None]).logits[0, -1], temperature,
+                                                    tokenizer.pad_token_id, len(tokenizer)), -1)
                     for model in (policy, sft)]
     exact = (logprobs[0].exp() * (logprobs[0] - logprobs[1])).sum().item()
     assert exact > 0.1  # (the two models differ: a test that could not tell them apart would prove nothing)

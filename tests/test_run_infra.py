@@ -384,6 +384,8 @@ def test_cores_are_taken_at_the_update_once_the_marker_is_gone(tmp_path, restore
     stopped = cores.CoresAtUpdate(f"{restore_threads + 2} {marker} 0", sleep=lambda seconds: None)
     assert stopped.poll(0, stopping=lambda: True, report=reports.append) is None and stopped.stopped
     assert torch.get_num_threads() == restore_threads + 1 and not at_update.stopped
+    marker.unlink()  # the next poll, with the other chain gone: the stop is no longer this poll's
+    assert stopped.poll(0) == restore_threads + 2 and not stopped.stopped
     assert cores.CoresAtUpdate(None).poll(10**6) is None
 
 

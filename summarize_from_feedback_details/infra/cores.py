@@ -48,6 +48,7 @@ class CoresAtUpdate:
         thread count taken by this call, None otherwise; None as well when `stopping()` turns true
         while waiting (a stop signal: the stage stops at its next safe point, and its resume takes
         the cores at its start)."""
+        self.stopped = False
         if self.marker is None or update < self.update:
             return None
         if os.path.exists(self.marker):
