@@ -62,12 +62,10 @@ class Args:
     """judge with the synthetic task's gold judge (only meaningful on the embedded default)"""
 
 
-def fact_swap_accuracy(reward_model, tokenizer, table: pd.DataFrame, references: int = 1000) -> dict:
-    """Per slot of the synthetic task: how often the reward model prefers a validation reference (the
-    first `references` of SFT's validation table) to the same reference with that one fact made wrong
-    (`swap_fact`; ties count half), over those that state the slot, with the mean score margin. Each
-    swap costs the gold judge 2.5 or more: a reward model blind to a slot sits near 0.5 on it, and a
-    policy trained against it is free to get that fact wrong."""
+def fact_swap_pairs(table: pd.DataFrame, references: int = 1000) -> tuple:
+    """(queries, texts, pairs) of the first `references` validation references of a table (SFT's): per
+    slot of the synthetic task, [(row, that reference with the slot's fact made wrong)] (`swap_fact`),
+    over the references that state the slot. Each swap costs the gold judge 2.5 or more."""
     queries, texts = list(table["query"][:references]), list(table["reference_responses"][:references])
     rng, pairs = random.Random(0), {slot: [] for slot in FACT_SWAP_SLOTS}
     for row, (query, reference) in enumerate(zip(queries, texts)):
@@ -75,17 +73,32 @@ def fact_swap_accuracy(reward_model, tokenizer, table: pd.DataFrame, references:
             swapped = swap_fact(rng, query, reference, slot)
             if swapped is not None:
                 pairs[slot].append((row, swapped))
-    # each reference scored once, for every slot it is paired in
-    reference_scores = reward_scores(reward_model, tokenizer, queries, texts, [True] * len(texts))
+    return queries, texts, pairs
+
+
+def swap_preferences(score, queries: list, texts: list, pairs: dict) -> dict:
+    """Per slot of `pairs` (fact_swap_pairs): how often score(queries, texts) -> array puts a reference
+    above its swap (ties count half), over how many pairs, and the mean margin. Each reference is
+    scored once, for every slot it is paired in."""
+    reference_scores = np.asarray(score(queries, texts))
     accuracy = {}
     for slot, swaps in pairs.items():
         if swaps:
             rows, swapped = map(list, zip(*swaps))
             right = reference_scores[rows]
-            wrong = reward_scores(reward_model, tokenizer, [queries[row] for row in rows], swapped, [True] * len(rows))
+            wrong = np.asarray(score([queries[row] for row in rows], swapped))
             accuracy[slot] = {"accuracy": float(np.mean((right > wrong) + 0.5 * (right == wrong))),
                               "pairs": len(rows), "margin": float(np.mean(right - wrong))}
     return accuracy
+
+
+def fact_swap_accuracy(reward_model, tokenizer, table: pd.DataFrame, references: int = 1000) -> dict:
+    """Per slot of the synthetic task: how often the reward model prefers a validation reference (the
+    first `references` of SFT's validation table) to the same reference with that one fact made wrong
+    (fact_swap_pairs), with the mean score margin (swap_preferences). A reward model blind to a slot
+    sits near 0.5 on it, and a policy trained against it is free to get that fact wrong."""
+    score = lambda queries, texts: reward_scores(reward_model, tokenizer, queries, texts, [True] * len(texts))  # noqa: E731
+    return swap_preferences(score, *fact_swap_pairs(table, references))
 
 
 def policy_summary(table: pd.DataFrame, reward_model, tokenizer) -> dict:
