@@ -6,7 +6,7 @@ reward model's fact-swap check of hello_world's table, read on the policy's like
 
 For the first --references validation references of --table (a stage's validation table: `query`,
 `reference_responses`), each reference is set against itself with one fact swapped for a wrong one
-(hello_world_report.fact_swap_pairs: the same pairs as the reward model's rows), and a model
+(evaluation.fact_swap_pairs: the same pairs as the reward model's rows of hello_world's table), and a model
 "checks" that slot where log p(reference | post) > log p(swap | post), summed over the response's
 tokens. A model that cannot copy a slot from the post sits near 0.5 on it (margin near 0): a policy
 from it that learns to state that fact states a random value, which the gold judge charges 2.5 or
@@ -25,7 +25,7 @@ import tyro
 from common import write_table
 
 from summarize_from_feedback_details.gold_judge import FACT_SWAP_SLOTS
-from summarize_from_feedback_details.hello_world_report import fact_swap_pairs, swap_preferences
+from summarize_from_feedback_details.evaluation import fact_swap_pairs, swap_preferences
 from summarize_from_feedback_details.infra.loading import load_policy, load_tokenizer
 
 
@@ -75,7 +75,8 @@ def main(args: Args) -> pd.DataFrame:
         print(path, " ".join(f"{slot} {rows[-1][slot]:.3f}" for slot in FACT_SWAP_SLOTS), flush=True)
     table = pd.DataFrame(rows).round(3)
     write_table(table, args.out, "fact_copy")
-    print(f"pairs: {', '.join(f'{slot} {len(pairs[slot])}' for slot in FACT_SWAP_SLOTS)}; wrote {args.out}/fact_copy.{{csv,md}}")
+    counts = ", ".join(f"{slot} {len(pairs[slot])}" for slot in FACT_SWAP_SLOTS)
+    print(f"pairs: {counts}; wrote {args.out}/fact_copy.{{csv,md}}")
     return table
 
 

@@ -11,6 +11,9 @@ its stage file; how its policy is measured lives here.
   the reference summaries.
 - `reward_scores` / `table_reward_scores`: a reward model's score of a saved table's text, read where the
   stages read it (hello_world's report and eval/ score every policy's table through it);
+- `fact_swap_pairs` / `swap_preferences`: each validation reference against itself with one fact made
+  wrong, and how often a scorer puts the reference first (the report's reward-model rows, eval/fact_copy.py's
+  policy likelihood);
 - `generation_rows`: the tables of sft.py and dpo.py (no reward model to score with), sampled by the
   same engine from the same seeds, so that SFT, the baseline of every "minus SFT", is sampled as the
   policies compared with it are.
@@ -20,6 +23,8 @@ without the EOS penalty (the paper's evaluation). `truncate_response` and `get_r
 stages' own helpers, kept equal to theirs by the identity tests (tests/test_run_infra.py lists them).
 """
 
+import random
+
 import numpy as np
 import pandas as pd
 import torch
@@ -27,7 +32,7 @@ from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.gold_judge import gold_validation_metrics
+from summarize_from_feedback_details.gold_judge import FACT_SWAP_SLOTS, gold_validation_metrics, swap_fact
 from summarize_from_feedback_details.rollout import SamplingGroup, decode, derived_seed
 
 EVAL_COLUMNS = ["query_token", "reference_response_token"]
@@ -239,3 +244,33 @@ def final_evaluation(run, policy, reward_model, tokenizer, dataset, logger) -> N
         logger.log({f"eval/{split}/{key}": value for key, value in metrics.items()}, args.num_updates)
         logger.table(f"{split}_table", table)
         run.print(f"{split}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
+
+
+def fact_swap_pairs(table: pd.DataFrame, references: int = 1000) -> tuple:
+    """(queries, texts, pairs) of the first `references` validation references of a table (SFT's): per
+    slot of the synthetic task, [(row, that reference with the slot's fact made wrong)] (`swap_fact`),
+    over the references that state the slot. Each swap costs the gold judge 2.5 or more."""
+    queries, texts = list(table["query"][:references]), list(table["reference_responses"][:references])
+    rng, pairs = random.Random(0), {slot: [] for slot in FACT_SWAP_SLOTS}
+    for row, (query, reference) in enumerate(zip(queries, texts)):
+        for slot in FACT_SWAP_SLOTS:
+            swapped = swap_fact(rng, query, reference, slot)
+            if swapped is not None:
+                pairs[slot].append((row, swapped))
+    return queries, texts, pairs
+
+
+def swap_preferences(score, queries: list, texts: list, pairs: dict) -> dict:
+    """Per slot of `pairs` (fact_swap_pairs): how often score(queries, texts) -> array puts a reference
+    above its swap (ties count half), over how many pairs, and the mean margin. Each reference is
+    scored once, for every slot it is paired in."""
+    reference_scores = np.asarray(score(queries, texts))
+    accuracy = {}
+    for slot, swaps in pairs.items():
+        if swaps:
+            rows, swapped = map(list, zip(*swaps))
+            right = reference_scores[rows]
+            wrong = np.asarray(score([queries[row] for row in rows], swapped))
+            accuracy[slot] = {"accuracy": float(np.mean((right > wrong) + 0.5 * (right == wrong))),
+                              "pairs": len(rows), "margin": float(np.mean(right - wrong))}
+    return accuracy

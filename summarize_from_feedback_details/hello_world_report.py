@@ -23,7 +23,6 @@ written as JSON beside the plots: <plots_dir>/hello_world_report.json.
 
 import json
 import os
-import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,11 +34,11 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from summarize_from_feedback_details import win_rates
-from summarize_from_feedback_details.evaluation import reward_scores, table_reward_scores
+from summarize_from_feedback_details.evaluation import (fact_swap_pairs, reward_scores, swap_preferences,
+                                                        table_reward_scores)
 from summarize_from_feedback_details.infra.tracking import last_metrics, metric_history
 from summarize_from_feedback_details.methods import METHODS
-from summarize_from_feedback_details.gold_judge import (FACT_SWAP_SLOTS, gold_preference, gold_score,
-                                                        reward_gold_agreement, swap_fact)
+from summarize_from_feedback_details.gold_judge import gold_preference, gold_score, reward_gold_agreement
 
 
 # (label, run folder suffix) of the policies after SFT, as hello_world.sh names their runs (ALGOS): the registry's
@@ -60,36 +59,6 @@ class Args:
     """where hello_world.sh had eval/ write its plots"""
     gold_judge: bool = True
     """judge with the synthetic task's gold judge (only meaningful on the embedded default)"""
-
-
-def fact_swap_pairs(table: pd.DataFrame, references: int = 1000) -> tuple:
-    """(queries, texts, pairs) of the first `references` validation references of a table (SFT's): per
-    slot of the synthetic task, [(row, that reference with the slot's fact made wrong)] (`swap_fact`),
-    over the references that state the slot. Each swap costs the gold judge 2.5 or more."""
-    queries, texts = list(table["query"][:references]), list(table["reference_responses"][:references])
-    rng, pairs = random.Random(0), {slot: [] for slot in FACT_SWAP_SLOTS}
-    for row, (query, reference) in enumerate(zip(queries, texts)):
-        for slot in FACT_SWAP_SLOTS:
-            swapped = swap_fact(rng, query, reference, slot)
-            if swapped is not None:
-                pairs[slot].append((row, swapped))
-    return queries, texts, pairs
-
-
-def swap_preferences(score, queries: list, texts: list, pairs: dict) -> dict:
-    """Per slot of `pairs` (fact_swap_pairs): how often score(queries, texts) -> array puts a reference
-    above its swap (ties count half), over how many pairs, and the mean margin. Each reference is
-    scored once, for every slot it is paired in."""
-    reference_scores = np.asarray(score(queries, texts))
-    accuracy = {}
-    for slot, swaps in pairs.items():
-        if swaps:
-            rows, swapped = map(list, zip(*swaps))
-            right = reference_scores[rows]
-            wrong = np.asarray(score([queries[row] for row in rows], swapped))
-            accuracy[slot] = {"accuracy": float(np.mean((right > wrong) + 0.5 * (right == wrong))),
-                              "pairs": len(rows), "margin": float(np.mean(right - wrong))}
-    return accuracy
 
 
 def fact_swap_accuracy(reward_model, tokenizer, table: pd.DataFrame, references: int = 1000) -> dict:

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import fact_copy
 
 from summarize_from_feedback_details.gold_judge import gold_score
-from summarize_from_feedback_details.hello_world_report import fact_swap_pairs
+from summarize_from_feedback_details.evaluation import fact_swap_pairs
 
 REFERENCES = [GOOD.replace("<|endoftext|>", ""), " my roommate has not paid rent.", " roommate owes rent, I am angry."]
 
