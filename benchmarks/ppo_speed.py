@@ -104,6 +104,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -507,12 +508,29 @@ def cli_flags(stage: ppo.Args) -> list:
     return flags
 
 
+# Rendezvous ports for launched runs: below Linux's ephemeral range (32768 up), where a port handed back by
+# bind(0) can be taken by any socket the system opens before the run binds it (CI, once: a DDP launch on
+# such a port printed nothing for 600 s, stuck before its first line); and below the tests' own launches
+# (tests/conftest.py draws from 20000 up), so a sweep run by a test never meets one of theirs.
+PORTS = range(10000, 20000)
+_ports_handed_out = set()
+_ports_random = random.Random()  # its own, so a global seed (set_seed) cannot make two sweeps draw alike
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on now: the launched run's rendezvous port (torchrun's default 29500
-    is taken whenever another run, a second sweep or a test, is up on this machine)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A TCP port in PORTS that nothing listens on now and this sweep has not handed out before (a launch's
+    torchrun binds it a moment later; torchrun's default 29500 is taken whenever another run is up)."""
+    while True:
+        port = _ports_random.choice(PORTS)
+        if port in _ports_handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:  # taken
+                continue
+        _ports_handed_out.add(port)
+        return port
 
 
 def launch_command(setting: Setting, device: str) -> list:

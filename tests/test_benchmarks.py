@@ -233,6 +233,20 @@ def test_launched_runs_get_a_free_rendezvous_port():
     port = int(command[command.index("--main_process_port") + 1])
     with socket.socket() as probe:  # nothing listens there: it can be bound
         probe.bind(("127.0.0.1", port))
+    # below the ephemeral range (a port bind(0) hands back can be taken by any socket opened before the
+    # launch binds it: a CI launch on one hung 600 s) and below the tests' own launches (conftest draws 20000 up)
+    low, high = (int(bound) for bound in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert 10000 <= port < 20000 <= low
+    assert len({port} | {ppo_speed.free_port() for _ in range(50)}) == 51  # never handed out twice
+
+
+def test_a_taken_port_is_never_handed_out(monkeypatch):
+    monkeypatch.setattr(ppo_speed, "PORTS", range(10000, 10002))
+    monkeypatch.setattr(ppo_speed, "_ports_handed_out", set())
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 10000))
+        listener.listen()
+        assert ppo_speed.free_port() == 10001
 
 
 # a launched run whose rank 1 died as it exited (CI, twice): every update done, then SIGABRT
