@@ -104,11 +104,9 @@ import itertools
 import json
 import math
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -135,6 +133,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 from summarize_from_feedback_details import ppo_left_padding as ppo  # noqa: E402
 from summarize_from_feedback_details.infra.launch import quiet_libraries  # noqa: E402
 from summarize_from_feedback_details.infra.lora import with_lora  # noqa: E402
+from summarize_from_feedback_details.infra.ports import free_port  # noqa: E402
 from summarize_from_feedback_details.infra.tracking import Logger  # noqa: E402
 from summarize_from_feedback_details.tiny_models import SIZES as TINY_SIZES  # noqa: E402
 
@@ -508,35 +507,15 @@ def cli_flags(stage: ppo.Args) -> list:
     return flags
 
 
-# Rendezvous ports for launched runs: below Linux's ephemeral range (32768 up), where a port handed back by
-# bind(0) can be taken by any socket the system opens before the run binds it (CI, once: a DDP launch on
-# such a port printed nothing for 600 s, stuck before its first line); and below the tests' own launches
-# (tests/conftest.py draws from 20000 up), so a sweep run by a test never meets one of theirs.
+# the launched runs' rendezvous ports: below the ephemeral range (infra/ports.py) and below the tests' own
+# launches (tests/conftest.py draws from 20000 up), so a sweep run by a test never meets one of theirs
 PORTS = range(10000, 20000)
-_ports_handed_out = set()
-_ports_random = random.Random()  # its own, so a global seed (set_seed) cannot make two sweeps draw alike
-
-
-def free_port() -> int:
-    """A TCP port in PORTS that nothing listens on now and this sweep has not handed out before (a launch's
-    torchrun binds it a moment later; torchrun's default 29500 is taken whenever another run is up)."""
-    while True:
-        port = _ports_random.choice(PORTS)
-        if port in _ports_handed_out:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:  # taken
-                continue
-        _ports_handed_out.add(port)
-        return port
 
 
 def launch_command(setting: Setting, device: str) -> list:
     """`accelerate launch` for the multi-process strategies: gloo DDP or DeepSpeed ZeRO-2."""
     launcher = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch",
-                "--num_processes", str(setting.num_processes), "--main_process_port", str(free_port())]
+                "--num_processes", str(setting.num_processes), "--main_process_port", str(free_port(PORTS))]
     if setting.strategy == "ddp":
         return launcher + ["--multi_gpu"] + (["--mixed_precision", "bf16"] if device == "cuda" else [])
     config = (os.path.join(REPO, "deepspeed.yaml") if device == "cuda"

@@ -1,12 +1,9 @@
 import os
 import pathlib
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +13,7 @@ import pytest
 from accelerate.state import AcceleratorState, GradientState
 
 from summarize_from_feedback_details import synthetic_tldr, tiny_models, tldr_dataset
+from summarize_from_feedback_details.infra.ports import EPHEMERAL_START, free_port
 
 # tests/cpu_seconds.py: `--cpu-durations`, what each test cost in CPU, launched runs included (make test
 # shows it); pytester runs pytest inside a test (tests/test_cpu_seconds.py)
@@ -186,31 +184,13 @@ def checkpoints(models_dir, tmp_path_factory):
     return sft_path, rm_path
 
 
-_ports_handed_out = set()
-_ports_lock = threading.Lock()
-_ports_random = random.Random()
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now, for a launched run's rendezvous (torchrun's default 29500 is
-    taken while any other run is up on this machine), and none handed out before in this session: two
-    launches started side by side must not share one. Drawn below Linux's ephemeral range (32768 up), so
-    no socket the system opens meanwhile takes it; under pytest-xdist each worker draws only the ports of
-    its own residue modulo the number of workers, so two workers never hand out one port."""
+def launch_port() -> int:
+    """A free rendezvous port for a launched run (infra/ports.py): from 20000 up, above the benchmarks'
+    own; under pytest-xdist each worker draws only the ports of its own residue modulo the number of
+    workers, so two workers never hand out one port."""
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    with _ports_lock:
-        while True:
-            port = _ports_random.randrange(20000 + worker, 32768, workers)
-            if port in _ports_handed_out:
-                continue
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-                try:
-                    probe.bind(("127.0.0.1", port))
-                except OSError:  # taken
-                    continue
-            _ports_handed_out.add(port)
-            return port
+    return free_port(range(20000 + worker, EPHEMERAL_START, workers))
 
 
 def side_by_side(**calls) -> dict:
@@ -226,7 +206,7 @@ def side_by_side(**calls) -> dict:
 def accelerate_launcher(num_processes: int, config: str = None) -> list:
     """`accelerate launch` with a DeepSpeed config file, or DDP over gloo on CPU processes."""
     base = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch",
-            "--main_process_port", str(free_port())]
+            "--main_process_port", str(launch_port())]
     if config:
         return base + ["--config_file", config, "--num_processes", str(num_processes)]
     return base + ["--multi_gpu", "--num_processes", str(num_processes)]

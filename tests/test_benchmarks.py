@@ -14,8 +14,10 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from conftest import launched, subprocess_with
+from conftest import launch_port, launched, subprocess_with
 from transformers import GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+from summarize_from_feedback_details.infra import ports
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # benchmarks/ is a folder of scripts, not a package: load the file itself
@@ -234,19 +236,21 @@ def test_launched_runs_get_a_free_rendezvous_port():
     with socket.socket() as probe:  # nothing listens there: it can be bound
         probe.bind(("127.0.0.1", port))
     # below the ephemeral range (a port bind(0) hands back can be taken by any socket opened before the
-    # launch binds it: a CI launch on one hung 600 s) and below the tests' own launches (conftest draws 20000 up)
+    # launch binds it: a CI launch on one hung 600 s) and below the tests' own launches (from 20000 up)
     low, high = (int(bound) for bound in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-    assert 10000 <= port < 20000 <= low
-    assert len({port} | {ppo_speed.free_port() for _ in range(50)}) == 51  # never handed out twice
+    assert port in ppo_speed.PORTS and max(ppo_speed.PORTS) < launch_port() < ports.EPHEMERAL_START <= low
 
 
-def test_a_taken_port_is_never_handed_out(monkeypatch):
-    monkeypatch.setattr(ppo_speed, "PORTS", range(10000, 10002))
-    monkeypatch.setattr(ppo_speed, "_ports_handed_out", set())
+def test_a_port_is_handed_out_once_and_never_a_taken_one(monkeypatch):
+    monkeypatch.setattr(ports, "_handed_out", set())
+    assert len({ports.free_port(range(10000, 10060)) for _ in range(60)}) == 60
+    with pytest.raises(RuntimeError, match="no free TCP port in 10000-10059"):
+        ports.free_port(range(10000, 10060))
+    monkeypatch.setattr(ports, "_handed_out", set())
     with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 10000))
+        listener.bind(("127.0.0.1", 10100))
         listener.listen()
-        assert ppo_speed.free_port() == 10001
+        assert ports.free_port(range(10100, 10102)) == 10101
 
 
 # a launched run whose rank 1 died as it exited (CI, twice): every update done, then SIGABRT

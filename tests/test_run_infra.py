@@ -25,8 +25,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "summarize_from_feedback_details"
 STAGES = ("sft", "reward", "dpo", "ppo_left_padding", "rloo", "online_dpo")
 # the run infrastructure, one concern a module (test_the_shared_modules_are_these lists the folder)
-INFRA = tuple(f"infra/{name}" for name in ("checkpoints", "cores", "flags", "launch", "loading", "lora", "preflight",
-                                           "saving", "tracking"))
+INFRA = tuple(f"infra/{name}" for name in ("checkpoints", "cores", "flags", "launch", "loading", "lora", "ports",
+                                           "preflight", "saving", "tracking"))
 SHARED = INFRA + ("rollout",)
 # lines of a shared module (DESIGN.md section 1): evaluation.py and packing.py are shared too
 SHARED_MODULE_BUDGET = 500
