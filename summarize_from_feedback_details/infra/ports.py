@@ -22,8 +22,7 @@ def free_port(ports: range) -> int:
     """A TCP port of `ports` that nothing listens on now and that this process has not handed out before
     (two launches started side by side must not share one)."""
     with _lock:
-        for _ in range(10 * len(ports)):
-            port = _random.choice(ports)
+        for port in _random.sample(ports, len(ports)):  # each port once, in random order
             if port in _handed_out:
                 continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
