@@ -359,14 +359,19 @@ if [[ $TINY == 1 ]]; then
     # SIZES lists (compare.sh: the sizes it compares). All sizes share one tokenizer; a size built before
     # is kept (tiny_models.build). The base models also read 6,000 posts that end in their author's
     # TL;DR, as real base models have: tiny-l then copies every fact of a post into a summary before
-    # fine-tuning, tiny-m not the feeling and the duration (the size effect of docs/scaling.md).
+    # fine-tuning, tiny-m at 3 tokens per parameter not the feeling and the duration (the size effect of
+    # docs/scaling.md).
     sizes=("${MODEL##*/$TINY_PREFIX-tiny-}")
     if [[ $DATA_ONLY == 1 ]]; then read -ra sizes <<<"${SIZES:-s m l}"; fi
+    # BASE_COPY_CHECK (the architecture's): the facts its base must copy from a post, or it is pretrained
+    # again from the next seed (tiny_models --copy_check)
+    copy_check=()
+    if [[ -n $BASE_COPY_CHECK ]]; then read -ra copy_check <<<"--copy_check $BASE_COPY_CHECK"; fi
     for size in ${sizes[@]+"${sizes[@]}"}; do
         run_stage "tiny base model $TINY_PREFIX-tiny-$size" $BASE_MODELS_DIR/$TINY_PREFIX-tiny-$size \
             $PY -m summarize_from_feedback_details.tiny_models --corpus $RAW_DIR/tldr_sft/train.jsonl \
                 --extra_corpus $RAW_DIR/pretrain/train.jsonl --output_dir $BASE_MODELS_DIR --sizes "$size" \
-                --seed 1 --arch "$ARCH" --pretrain_tokens_per_parameter "$BASE_BUDGET"
+                --seed 1 --arch "$ARCH" --pretrain_tokens_per_parameter "$BASE_BUDGET" ${copy_check[@]+"${copy_check[@]}"}
     done
     run_stage "tldr_dataset.py" $DATASET_DIR \
         $PY summarize_from_feedback_details/tldr_dataset.py --base_model "$MODEL" \

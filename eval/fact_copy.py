@@ -18,14 +18,12 @@ Writes --out/fact_copy.{csv,md}: one row per model, per slot the accuracy and th
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import pandas as pd
-import torch
 import tyro
 from common import write_table
 
 from summarize_from_feedback_details.gold_judge import FACT_SWAP_SLOTS
-from summarize_from_feedback_details.evaluation import fact_swap_pairs, swap_preferences
+from summarize_from_feedback_details.evaluation import fact_copy_row, fact_swap_pairs
 from summarize_from_feedback_details.infra.loading import load_policy, load_tokenizer
 
 
@@ -39,30 +37,6 @@ class Args:
     """how many validation references (the first ones) are swapped"""
     out: str = "eval/images/fact_copy"
     """folder for fact_copy.{csv,md}"""
-
-
-@torch.no_grad()
-def response_logprobs(model, tokenizer, queries: list, responses: list) -> np.ndarray:
-    """log p(response | query) per pair, summed over the response's tokens, one pair per forward (no
-    padding): the query encoded as the datasets encode it (a BOS where the tokenizer prepends one), the
-    response without special tokens."""
-    sums = []
-    for query, response in zip(queries, responses):
-        query_ids = tokenizer(query)["input_ids"]
-        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-        logits = model(torch.tensor([query_ids + response_ids])).logits[0, len(query_ids) - 1:-1].float()
-        sums.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(response_ids)[:, None]).sum().item())
-    return np.array(sums)
-
-
-def fact_copy_row(model, tokenizer, queries: list, texts: list, pairs: dict) -> dict:
-    """{<slot>: accuracy, <slot>_margin: mean log-likelihood margin} of one model over fact_swap_pairs."""
-    accuracy = swap_preferences(lambda qs, ts: response_logprobs(model, tokenizer, qs, ts), queries, texts, pairs)
-    row = {}
-    for slot in FACT_SWAP_SLOTS:
-        entry = accuracy.get(slot, {"accuracy": float("nan"), "margin": float("nan")})
-        row[slot], row[f"{slot}_margin"] = entry["accuracy"], entry["margin"]
-    return row
 
 
 def main(args: Args) -> pd.DataFrame:

@@ -12,8 +12,9 @@ its stage file; how its policy is measured lives here.
 - `reward_scores` / `table_reward_scores`: a reward model's score of a saved table's text, read where the
   stages read it (hello_world's report and eval/ score every policy's table through it);
 - `fact_swap_pairs` / `swap_preferences`: each validation reference against itself with one fact made
-  wrong, and how often a scorer puts the reference first (the report's reward-model rows, eval/fact_copy.py's
-  policy likelihood);
+  wrong, and how often a scorer puts the reference first (the report's reward-model rows);
+  `fact_copy_row` with a causal LM's likelihood as the scorer (eval/fact_copy.py, and tiny_models.py's
+  check that a base copies the post's facts);
 - `generation_rows`: the tables of sft.py and dpo.py (no reward model to score with), sampled by the
   same engine from the same seeds, so that SFT, the baseline of every "minus SFT", is sampled as the
   policies compared with it are.
@@ -274,3 +275,27 @@ def swap_preferences(score, queries: list, texts: list, pairs: dict) -> dict:
             accuracy[slot] = {"accuracy": float(np.mean((right > wrong) + 0.5 * (right == wrong))),
                               "pairs": len(rows), "margin": float(np.mean(right - wrong))}
     return accuracy
+
+
+@torch.no_grad()
+def response_logprobs(model, tokenizer, queries: list, responses: list) -> np.ndarray:
+    """log p(response | query) per pair, summed over the response's tokens, one pair per forward (no
+    padding): the query encoded as the datasets encode it (a BOS where the tokenizer prepends one), the
+    response without special tokens."""
+    sums = []
+    for query, response in zip(queries, responses):
+        query_ids = tokenizer(query)["input_ids"]
+        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+        logits = model(torch.tensor([query_ids + response_ids])).logits[0, len(query_ids) - 1:-1].float()
+        sums.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(response_ids)[:, None]).sum().item())
+    return np.array(sums)
+
+
+def fact_copy_row(model, tokenizer, queries: list, texts: list, pairs: dict) -> dict:
+    """{<slot>: accuracy, <slot>_margin: mean log-likelihood margin} of one model over fact_swap_pairs."""
+    accuracy = swap_preferences(lambda qs, ts: response_logprobs(model, tokenizer, qs, ts), queries, texts, pairs)
+    row = {}
+    for slot in FACT_SWAP_SLOTS:
+        entry = accuracy.get(slot, {"accuracy": float("nan"), "margin": float("nan")})
+        row[slot], row[f"{slot}_margin"] = entry["accuracy"], entry["margin"]
+    return row

@@ -27,18 +27,23 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import numpy as np
+import pandas as pd
 import torch
 import tyro
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
+from summarize_from_feedback_details.evaluation import fact_copy_row, fact_swap_pairs
+from summarize_from_feedback_details.gold_judge import FACT_SWAP_SLOTS
 from summarize_from_feedback_details.infra.launch import quiet_libraries
 from summarize_from_feedback_details.infra.tracking import progress
 from summarize_from_feedback_details.synthetic_tldr import atomic_output_dir
+from summarize_from_feedback_details.tldr_dataset import TldrParams
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "[PAD]"
@@ -91,6 +96,19 @@ class Args:
     """tokens per window, in the pretraining and in the held-out loss"""
     pretrain_lr: float = 3e-3
     """AdamW learning rate of the pretraining, cosine-decayed to 0 over its steps"""
+    copy_check: list = field(default_factory=list)
+    """slots of the synthetic task (gold_judge.FACT_SWAP_SLOTS: relation problem ask duration feeling)
+    a base must copy from a post, as a hub base does, before it is kept: on the held-out posts, it must
+    find their TL;DR likelier than the TL;DR with that fact swapped (eval/fact_copy.py's pairs) in
+    copy_check_min of them, or it is pretrained again from the next seed (seed + 1, ...). Whether a tiny
+    Llama-style base copies the feeling is a draw of its seed (2 of 7; docs/real_pipeline.md). Empty: no
+    check, the base of --seed"""
+    copy_check_min: float = 0.9
+    """the share of a checked slot's swaps a base must get right: of the Llama-style bases, those blind to
+    the feeling sat at 0.44-0.63 on eval/fact_copy.py's pairs, those that copy it at 0.94-1.00"""
+    copy_check_seeds: int = 8
+    """how many seeds, from --seed on, a size may try; when none copies, the closest is kept, with a
+    warning (models.json records every seed's scores)"""
 
 
 def corpus_texts(*paths: str) -> list:
@@ -179,9 +197,9 @@ def pretrain_steps(parameters: int, args: Args) -> int:
     return math.ceil(args.pretrain_tokens_per_parameter * parameters / (args.pretrain_batch_size * args.pretrain_seq_len))
 
 
-def pretrain(model, token_stream: np.ndarray, steps: int, args: Args, name: str):
+def pretrain(model, token_stream: np.ndarray, steps: int, args: Args, name: str, seed: int):
     """Plain causal-LM training on random windows of the concatenated, EOS-separated posts."""
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, eps=1e-5, weight_decay=0.01)
     stream = torch.from_numpy(token_stream)
     last = {}  # the newest batch loss, for the progress display
@@ -225,6 +243,60 @@ def heldout_loss(model, windows: torch.Tensor) -> float:
     return sum(model(input_ids=w, labels=w).loss.item() * len(w) for w in windows.split(16)) / len(windows)
 
 
+def copy_probe(path: str, slots: list) -> tuple:
+    """(queries, references, pairs) of the held-out posts of `path` (rows in the SFT schema) for
+    `fact_copy_row`: each post as the stages' query (tldr_dataset's template, untruncated), its TL;DR as
+    the reference, and the reference with one fact swapped for each of `slots` (evaluation.fact_swap_pairs,
+    the reward model's and eval/fact_copy.py's pairs)."""
+    unknown = sorted(set(slots) - set(FACT_SWAP_SLOTS))
+    if unknown:
+        raise ValueError(f"copy_check: unknown slots {unknown}; choose from {list(FACT_SWAP_SLOTS)}")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    template = TldrParams().format_str
+    table = pd.DataFrame({"query": [template.format(**row) for row in rows],
+                          "reference_responses": [" " + row["summary"] for row in rows]})
+    queries, references, pairs = fact_swap_pairs(table)
+    empty = [slot for slot in slots if not pairs[slot]]
+    if empty:
+        raise ValueError(f"copy_check: no TL;DR of {path} states the {', '.join(empty)}")
+    return queries, references, {slot: pairs[slot] for slot in slots}
+
+
+def copies_facts(row: dict, slots: list, minimum: float) -> bool:
+    """Whether a base's fact_copy_row gets at least `minimum` of every checked slot's swaps right."""
+    return all(row[slot] >= minimum for slot in slots)
+
+
+def pretrain_until_it_copies(config, token_stream: np.ndarray, steps: int, args: Args, name: str,
+                             tokenizer, probe) -> tuple:
+    """(model, last batch loss, record): the base of `config` pretrained from --seed, and again from each
+    next seed until it copies the --copy_check slots (`probe`: copy_probe's pairs; None: the first is
+    kept, record None). The record lists each seed tried with its score per slot, the seed kept and
+    whether it copies: after copy_check_seeds seeds that all fail, the base closest to copying (the
+    best worst slot) is kept with a warning, so that a size too small to copy (tiny-s) still builds."""
+    tries, closest = [], None
+    for seed in range(args.seed, args.seed + (args.copy_check_seeds if probe else 1)):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        loss = pretrain(model, token_stream, steps, args, name, seed) if steps > 0 else None
+        if probe is None:
+            return model, loss, None
+        row = fact_copy_row(model, tokenizer, *probe)
+        tries.append({"seed": seed, **{slot: round(row[slot], 3) for slot in args.copy_check}})
+        print(f"{name} seed {seed} copies " + ", ".join(f"{slot} {row[slot]:.3f}" for slot in args.copy_check),
+              flush=True)
+        worst = min(row[slot] for slot in args.copy_check)
+        if worst >= args.copy_check_min:
+            return model, loss, {"kept_seed": seed, "copies": True, "tries": tries}
+        if closest is None or worst > closest[0]:
+            closest = (worst, seed, model, loss)
+    _, seed, model, loss = closest
+    warnings.warn(f"{name}: no base of seeds {args.seed}-{tries[-1]['seed']} copies {args.copy_check} in "
+                  f"{args.copy_check_min} of the held-out swaps ({tries}); kept seed {seed}, the closest")
+    return model, loss, {"kept_seed": seed, "copies": False, "tries": tries}
+
+
 def recipe(args: Args) -> dict:
     """What decides a size's weights and the shared tokenizer: the Args but the output folder, and the
     corpus and any extra corpus by their content (a regenerated corpus trains another tokenizer under the
@@ -233,9 +305,11 @@ def recipe(args: Args) -> dict:
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
 
-    # (the defaults of arch and extra_corpus are left out: folders built before they existed keep their recipe)
-    wanted = {k: v for k, v in vars(args).items()
-              if k not in ("output_dir", "sizes") and (k, v) not in (("arch", "gpt_neox"), ("extra_corpus", None))}
+    # (the defaults of arch, extra_corpus and the copy check are left out: folders built before they existed
+    # keep their recipe)
+    defaults = (("arch", "gpt_neox"), ("extra_corpus", None), ("copy_check", []), ("copy_check_min", 0.9),
+                ("copy_check_seeds", 8))
+    wanted = {k: v for k, v in vars(args).items() if k not in ("output_dir", "sizes") and (k, v) not in defaults}
     if args.extra_corpus:
         wanted["extra_corpus_sha256"] = sha256(args.extra_corpus)
     return wanted | {"corpus_sha256": sha256(args.corpus)}
@@ -276,16 +350,19 @@ def build(args: Args) -> dict:
 
     heldout_path = args.heldout_corpus or os.path.join(os.path.dirname(args.corpus), "validation.jsonl")
     heldout = heldout_windows(heldout_path, tokenizer, args.pretrain_seq_len) if os.path.isfile(heldout_path) else None
+    if args.copy_check and not os.path.isfile(heldout_path):
+        raise FileNotFoundError(f"--copy_check reads held-out posts from {heldout_path}: no such file")
+    probe = copy_probe(heldout_path, args.copy_check) if args.copy_check else None
 
     summary = {}
     for size in args.sizes:
         name = f"{prefix}-tiny-{size}"
-        torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(model_config(size, vocab_size, tokenizer, args.arch))
-        parameters = sum(p.numel() for p in model.parameters())
+        config = model_config(size, vocab_size, tokenizer, args.arch)
+        with torch.device("meta"):  # the count alone, before any seed's weights
+            parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         steps = pretrain_steps(parameters, args)
         start = time.time()
-        loss = pretrain(model, token_stream, steps, args, name) if steps > 0 else None
+        model, loss, copy_check = pretrain_until_it_copies(config, token_stream, steps, args, name, tokenizer, probe)
         with atomic_output_dir(os.path.join(args.output_dir, name)) as folder:
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
@@ -295,14 +372,23 @@ def build(args: Args) -> dict:
             "final_pretrain_loss": None if loss is None else round(loss, 4),
             "heldout_loss": None if heldout is None else round(heldout_loss(model, heldout), 4),
             "seconds": round(time.time() - start, 1),
+            **({"copy_check": copy_check} if copy_check else {}),
         }
-    models = kept | {k: {key: v[key] for key in ("parameters", "pretrain_steps", "final_pretrain_loss", "heldout_loss")}
-                     for k, v in summary.items()}
+    recorded = ("parameters", "pretrain_steps", "final_pretrain_loss", "heldout_loss", "copy_check")
+    models = kept | {k: {key: v[key] for key in recorded if key in v} for k, v in summary.items()}
     path = os.path.join(args.output_dir, "models.json")
     with open(path + ".partial", "w") as f:  # replaced whole: a crash leaves the old list or the new one
         json.dump({"recipe": wanted, "models": dict(sorted(models.items()))}, f, indent=2, sort_keys=True)
     os.replace(path + ".partial", path)
     return summary
+
+
+def copy_check_note(record: Optional[dict], slots: list) -> str:
+    """What the build line says of a size's copy check (pretrain_until_it_copies's record; None: none)."""
+    if record is None:
+        return ""
+    kept = "the first that copies" if record["copies"] else f"none of {len(record['tries'])} copies; the closest to"
+    return f" (seed {record['kept_seed']}: {kept} {slots})"
 
 
 def main(args: Args) -> None:
@@ -311,7 +397,8 @@ def main(args: Args) -> None:
     for name, info in summary.items():
         print(f"{name}: {info['parameters']:,} parameters, {info['pretrain_steps']} pretraining steps, "
               f"last batch loss {info['final_pretrain_loss']}, held-out loss {info['heldout_loss']}, "
-              f"{info['seconds']} s -> {os.path.join(args.output_dir, name)}")
+              f"{info['seconds']} s -> {os.path.join(args.output_dir, name)}"
+              + copy_check_note(info.get("copy_check"), args.copy_check))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import fact_copy
 
 from summarize_from_feedback_details.gold_judge import gold_score
+from summarize_from_feedback_details import evaluation
 from summarize_from_feedback_details.evaluation import fact_swap_pairs
 
 REFERENCES = [GOOD.replace("<|endoftext|>", ""), " my roommate has not paid rent.", " roommate owes rent, I am angry."]
@@ -42,7 +43,7 @@ def test_a_model_that_reads_nothing_prefers_the_shorter_of_each_pair(tmp_path, t
     log_vocabulary = np.log(len(tokenizer))
     # the response's tokens only, each at probability 1/V
     loaded = LlamaForCausalLM.from_pretrained(model).eval()
-    assert np.allclose(fact_copy.response_logprobs(loaded, tokenizer, [POST] * 2, REFERENCES[:2]),
+    assert np.allclose(evaluation.response_logprobs(loaded, tokenizer, [POST] * 2, REFERENCES[:2]),
                        [-length(text) * log_vocabulary for text in REFERENCES[:2]], rtol=0, atol=1e-4)
     queries, texts, pairs = fact_swap_pairs(pd.read_csv(table))
     for slot, swaps in pairs.items():
@@ -58,7 +59,7 @@ def test_a_model_that_reads_nothing_prefers_the_shorter_of_each_pair(tmp_path, t
 
 def test_a_scorer_that_checks_every_fact_prefers_every_reference(monkeypatch):
     queries, texts, pairs = fact_swap_pairs(pd.DataFrame({"query": [POST] * 3, "reference_responses": REFERENCES}))
-    monkeypatch.setattr(fact_copy, "response_logprobs",
+    monkeypatch.setattr(evaluation, "response_logprobs",
                         lambda model, tokenizer, qs, ts: np.array([gold_score(q, t) for q, t in zip(qs, ts)]))
     row = fact_copy.fact_copy_row(None, None, queries, texts, pairs)
     assert all(row[slot] == 1.0 and row[f"{slot}_margin"] >= 2.5 for slot in pairs)

@@ -462,6 +462,9 @@ def test_arch_builds_the_embedded_default_in_its_own_folders(checkout, arch):
     assert flag(build, "--sizes") == "m"
     # the pretraining budget at which the family's SFT copies the post's relation (docs/real_pipeline.md)
     assert flag(build, "--pretrain_tokens_per_parameter") == {"llama": "12", "qwen3": "6"}[arch]
+    # the Llama-style base is pretrained again from the next seed until it copies the post's feeling
+    copy_check = build[build.index("--copy_check") + 1:] if "--copy_check" in build else []
+    assert copy_check == {"llama": ["feeling"], "qwen3": []}[arch]
     (data,) = stage_calls(calls, "tldr_dataset.py")
     assert flag(data, "--base_model") == f"models/tiny_{arch}/{arch}-tiny-m" and flag(data, "--output_dir") == f"data/tldr_{arch}"
     sft_calls = stage_calls(calls, "sft.py")
@@ -477,7 +480,7 @@ def test_arch_builds_the_embedded_default_in_its_own_folders(checkout, arch):
     (build,) = [c for c in calls if "summarize_from_feedback_details.tiny_models" in c]
     assert flag(build, "--arch") == "gpt_neox" and flag(build, "--output_dir") == "models/tiny"
     # GPT-NeoX takes the Llama-style recipe (docs/real_pipeline.md, "GPT-NeoX's pretraining budget ...")
-    assert flag(build, "--pretrain_tokens_per_parameter") == "12"
+    assert flag(build, "--pretrain_tokens_per_parameter") == "12" and "--copy_check" not in build
     assert (flag(stage_calls(calls, "reward.py")[0], "--lr"), flag(stage_calls(calls, "reward.py")[0], "--num_train_epochs")) == ("3e-4", "8")
     result, calls = run(checkout, 0, ARCH="mamba")
     assert result.returncode == 2 and "ARCH: 'mamba' is none of: gpt_neox llama qwen3" in result.stderr and not calls

@@ -4,11 +4,13 @@ import json
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from summarize_from_feedback_details import synthetic_tldr, tiny_models
+from summarize_from_feedback_details import evaluation, synthetic_tldr, tiny_models
+from summarize_from_feedback_details.gold_judge import gold_score
 
 
 def test_tokenizer_has_a_dedicated_pad_token(tokenizer_dir):
@@ -167,3 +169,61 @@ def test_extra_corpus_is_pretrained_on_and_in_the_recipe(raw_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "extra" / "pythia-tiny-s")
     grown = len(tiny_models.post_stream(both, tokenizer)) - len(tiny_models.post_stream(alone, tokenizer))
     assert grown == sum(len(tokenizer(f"{r['title']}\n\n{r['post']}")["input_ids"]) + 1 for r in rows)
+
+
+def test_the_copy_probe_swaps_a_fact_of_each_held_out_post(raw_dir, monkeypatch):
+    """copy_probe: the held-out posts as the stages' queries, their TL;DRs as references, one wrong fact
+    per checked slot; the gold judge, which reads every fact off the post, prefers every reference (so
+    each swap is a fact of that post made wrong), and a base that reads nothing sits near 0.5."""
+    path = os.path.join(raw_dir, "tldr_sft", "validation.jsonl")
+    queries, references, pairs = tiny_models.copy_probe(path, ["feeling", "relation"])
+    with open(path) as f:
+        first = json.loads(f.readline())
+    assert queries[0] == f"SUBREDDIT: r/{first['subreddit']}\n\nTITLE: {first['title']}\n\nPOST: {first['post']}\n\nTL;DR:"
+    assert references[0] == " " + first["summary"] and sorted(pairs) == ["feeling", "relation"]
+    assert {slot: len(swaps) for slot, swaps in pairs.items()} == {"feeling": 15, "relation": 60}  # of 60 posts
+    assert all(swap != references[row] for swaps in pairs.values() for row, swap in swaps)
+    monkeypatch.setattr(evaluation, "response_logprobs",
+                        lambda model, tokenizer, qs, ts: np.array([gold_score(q, t) for q, t in zip(qs, ts)]))
+    row = evaluation.fact_copy_row(None, None, queries, references, pairs)
+    assert row["feeling"] == 1.0 and row["relation"] == 1.0
+    with pytest.raises(ValueError, match="unknown slots \\['mood'\\]"):
+        tiny_models.copy_probe(path, ["feeling", "mood"])
+
+
+def test_the_copy_check_keeps_the_first_seed_whose_base_copies(raw_dir, tmp_path, monkeypatch):
+    """A base that fails the check is pretrained again from the next seed: the kept base is, to the byte,
+    the plain build of the first seed that passes, and models.json records every seed tried."""
+    feeling = iter([0.5, 0.62, 0.97])
+    monkeypatch.setattr(tiny_models, "fact_copy_row", lambda model, tokenizer, queries, texts, pairs: {
+        "feeling": next(feeling), "relation": 1.0})
+    build(raw_dir, tmp_path / "checked", pretrain_steps=3, copy_check=["feeling", "relation"])
+    build(raw_dir, tmp_path / "seed3", pretrain_steps=3, seed=3)
+    assert filecmp.cmp(tmp_path / "checked" / "pythia-tiny-s" / "model.safetensors",
+                       tmp_path / "seed3" / "pythia-tiny-s" / "model.safetensors", shallow=False)
+    with open(tmp_path / "checked" / "models.json") as f:
+        recorded = json.load(f)
+    assert recorded["models"]["pythia-tiny-s"]["copy_check"] == {"kept_seed": 3, "copies": True, "tries": [
+        {"seed": 1, "feeling": 0.5, "relation": 1.0}, {"seed": 2, "feeling": 0.62, "relation": 1.0},
+        {"seed": 3, "feeling": 0.97, "relation": 1.0}]}
+    assert recorded["recipe"]["copy_check"] == ["feeling", "relation"] and recorded["recipe"]["seed"] == 1
+    with open(tmp_path / "seed3" / "models.json") as f:  # no check: the recipe and entries of before
+        plain = json.load(f)
+    assert "copy_check" not in plain["recipe"] and "copy_check" not in plain["models"]["pythia-tiny-s"]
+
+
+def test_the_copy_check_keeps_the_closest_base_when_no_seed_copies(raw_dir, tmp_path):
+    """A real probe: no 3-step base copies the feeling in every swap, so after copy_check_seeds seeds the
+    build warns, naming each seed's score, and keeps the base closest to copying (a size too small to copy
+    still builds), recorded as not copying."""
+    with pytest.warns(UserWarning, match=r"no base of seeds 4-5 copies \['feeling'\] in 1.0 of the held-out swaps"):
+        build(raw_dir, tmp_path / "x", pretrain_steps=3, seed=4, copy_check=["feeling"], copy_check_min=1.0,
+              copy_check_seeds=2)
+    with open(tmp_path / "x" / "models.json") as f:
+        record = json.load(f)["models"]["pythia-tiny-s"]["copy_check"]
+    scores = {t["seed"]: t["feeling"] for t in record["tries"]}
+    assert sorted(scores) == [4, 5] and all(0.0 < v < 1.0 for v in scores.values()) and not record["copies"]
+    assert record["kept_seed"] == max(scores, key=scores.get)
+    build(raw_dir, tmp_path / "kept", pretrain_steps=3, seed=record["kept_seed"])
+    assert filecmp.cmp(tmp_path / "x" / "pythia-tiny-s" / "model.safetensors",
+                       tmp_path / "kept" / "pythia-tiny-s" / "model.safetensors", shallow=False)
