@@ -263,11 +263,6 @@ def copy_probe(path: str, slots: list) -> tuple:
     return queries, references, {slot: pairs[slot] for slot in slots}
 
 
-def copies_facts(row: dict, slots: list, minimum: float) -> bool:
-    """Whether a base's fact_copy_row gets at least `minimum` of every checked slot's swaps right."""
-    return all(row[slot] >= minimum for slot in slots)
-
-
 def pretrain_until_it_copies(config, token_stream: np.ndarray, steps: int, args: Args, name: str,
                              tokenizer, probe) -> tuple:
     """(model, last batch loss, record): the base of `config` pretrained from --seed, and again from each
