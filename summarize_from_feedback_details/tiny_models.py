@@ -247,7 +247,8 @@ def copy_probe(path: str, slots: list) -> tuple:
     """(queries, references, pairs) of the held-out posts of `path` (rows in the SFT schema) for
     `fact_copy_row`: each post as the stages' query (tldr_dataset's template, untruncated), its TL;DR as
     the reference, and the reference with one fact swapped for each of `slots` (evaluation.fact_swap_pairs,
-    the reward model's and eval/fact_copy.py's pairs)."""
+    the reward model's and eval/fact_copy.py's pairs). Only the posts some checked slot swaps are kept:
+    fact_copy_row scores every reference it is given, one forward each."""
     unknown = sorted(set(slots) - set(FACT_SWAP_SLOTS))
     if unknown:
         raise ValueError(f"copy_check: unknown slots {unknown}; choose from {list(FACT_SWAP_SLOTS)}")
@@ -260,7 +261,10 @@ def copy_probe(path: str, slots: list) -> tuple:
     empty = [slot for slot in slots if not pairs[slot]]
     if empty:
         raise ValueError(f"copy_check: no TL;DR of {path} states the {', '.join(empty)}")
-    return queries, references, {slot: pairs[slot] for slot in slots}
+    used = sorted({row for slot in slots for row, _ in pairs[slot]})
+    position = {row: i for i, row in enumerate(used)}
+    return ([queries[row] for row in used], [references[row] for row in used],
+            {slot: [(position[row], swapped) for row, swapped in pairs[slot]] for slot in slots})
 
 
 def pretrain_until_it_copies(config, token_stream: np.ndarray, steps: int, args: Args, name: str,
