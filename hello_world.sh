@@ -357,10 +357,10 @@ if [[ $TINY == 1 ]]; then
         $PY -m summarize_from_feedback_details.synthetic_tldr --output_dir $RAW_DIR "${TINY_DATA_FLAGS[@]}"
     # the size MODEL names; with --data every size (what scaling.sh and the sbatch chain read) or those
     # SIZES lists (compare.sh: the sizes it compares). All sizes share one tokenizer; a size built before
-    # is kept (tiny_models.build). The base models also read 6,000 posts that end in their author's
-    # TL;DR, as real base models have: tiny-l then copies every fact of a post into a summary before
-    # fine-tuning, tiny-m at 3 tokens per parameter not the feeling and the duration (the size effect of
-    # docs/scaling.md).
+    # is kept (tiny_models.build). The base models also read the first BASE_PRETRAIN_POSTS (the
+    # architecture's) of the posts that end in their author's TL;DR, as real base models have: tiny-l then
+    # copies every fact of a post into a summary before fine-tuning, tiny-m at 3 tokens per parameter not
+    # the feeling and the duration (the size effect of docs/scaling.md).
     sizes=("${MODEL##*/$TINY_PREFIX-tiny-}")
     if [[ $DATA_ONLY == 1 ]]; then read -ra sizes <<<"${SIZES:-s m l}"; fi
     # BASE_COPY_CHECK (the architecture's): the facts its base must copy from a post, or it is pretrained
@@ -370,7 +370,8 @@ if [[ $TINY == 1 ]]; then
     for size in ${sizes[@]+"${sizes[@]}"}; do
         run_stage "tiny base model $TINY_PREFIX-tiny-$size" $BASE_MODELS_DIR/$TINY_PREFIX-tiny-$size \
             $PY -m summarize_from_feedback_details.tiny_models --corpus $RAW_DIR/tldr_sft/train.jsonl \
-                --extra_corpus $RAW_DIR/pretrain/train.jsonl --output_dir $BASE_MODELS_DIR --sizes "$size" \
+                --extra_corpus $RAW_DIR/pretrain/train.jsonl --extra_corpus_rows "$BASE_PRETRAIN_POSTS" \
+                --output_dir $BASE_MODELS_DIR --sizes "$size" \
                 --seed 1 --arch "$ARCH" --pretrain_tokens_per_parameter "$BASE_BUDGET" ${copy_check[@]+"${copy_check[@]}"}
     done
     run_stage "tldr_dataset.py" $DATASET_DIR \

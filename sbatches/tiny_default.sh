@@ -5,11 +5,12 @@
 # processes): hello_world.sh runs one process, the sbatch files split a batch over the nodes'
 # processes. Why each value: the comments at hello_world.sh's stages and docs/embedded_default.md.
 
-# the synthetic data (synthetic_tldr.py, seed 1): 6,000 pretraining posts for the base models, and
+# the synthetic data (synthetic_tldr.py, seed 1): 18,000 pretraining posts for the base models (each
+# architecture's base reads the first BASE_PRETRAIN_POSTS of them, below), and
 # preference pairs of which 60% are minimal pairs, 60% of those a summary against itself with the relation,
 # the problem or the feeling swapped, so that the reward model checks those facts against the post
 # (docs/embedded_default.md, "The reward model checks the facts")
-TINY_DATA_FLAGS=(--seed 1 --num_pretrain_posts 6000 --minimal_pair_fraction 0.6 --fact_swap_fraction 0.6
+TINY_DATA_FLAGS=(--seed 1 --num_pretrain_posts 18000 --minimal_pair_fraction 0.6 --fact_swap_fraction 0.6
                  --fact_swap_slots relation problem feeling)
 # two SFT runs (all tokens: the reward model's backbone; summary tokens: the policy), one epoch of
 # the 6,000 SFT rows each
@@ -33,7 +34,7 @@ TINY_DPO_FLAGS=(--lr 1e-4 --response_length 32 --local_eval_batch_size 100)
 # tiny_arch_settings ARCH: the embedded default's settings that differ by architecture (tiny_models.py
 # --arch): TINY_PREFIX (its base models are $BASE_MODELS_DIR/$TINY_PREFIX-tiny-<size>), BASE_MODELS_DIR,
 # ARCH_SUFFIX (empty for GPT-NeoX, the paper's, else _<arch>: what its runs', models' and datasets' names
-# end in), BASE_BUDGET, TINY_RM_LR, TINY_RM_EPOCHS and BASE_COPY_CHECK.
+# end in), BASE_BUDGET, BASE_PRETRAIN_POSTS, TINY_RM_LR, TINY_RM_EPOCHS and BASE_COPY_CHECK.
 # BASE_BUDGET, the base model's pretraining in tokens per parameter: at 3, the policy's SFT
 # on a Llama-style tiny-m named the post's relation right in 0.09 / 0.97 / 0.16 / 0.10 of its summaries
 # over base seeds 1-4 (GPT-NeoX: 1.00), a Qwen3-style one in 0.33 / 1.00 / 1.00 / 0.56; at 6, Llama
@@ -52,19 +53,25 @@ TINY_DPO_FLAGS=(--lr 1e-4 --response_length 32 --local_eval_batch_size 100)
 # gained +1.548 [1.076, 2.019] over SFT; at 3 tokens and four epochs at 1e-3, 0.641 / 0.527 / 0.956 and
 # +0.795 [0.428, 1.163]; the budget or the epochs alone fell short of one or the other (there, "GPT-NeoX's
 # pretraining budget and its reward model's relation check").
+# BASE_PRETRAIN_POSTS: how many of the data's pretraining posts (each ending in a TL;DR that states every
+# fact) the base reads besides the SFT posts (tiny_models --extra_corpus_rows). GPT-NeoX and Qwen3-style:
+# 6,000, their bases of before to the byte. Llama-style: 18,000, with which its seed-1 base copies the
+# duration and the feeling (0.959 / 0.959 of the swaps), which no Llama-style base of 6,000 measured does
+# (docs/real_pipeline.md, "A base that copies the duration").
 # BASE_COPY_CHECK: the facts of a post the base must copy before it is kept (tiny_models --copy_check:
-# else it is pretrained again from the next seed); empty: the base of seed 1. The Llama-style base copies
-# the feeling on 2 of 7 seeds (GPT-NeoX on 3 of 3), and a PPO whose base cannot copy it states a random
-# feeling when it learns to state one (docs/real_pipeline.md, "The copy check").
+# else it is pretrained again from the next seed); empty: the base of seed 1. Whether a Llama-style base
+# copies the feeling or the duration is a draw of its seed (GPT-NeoX's copies both on every seed
+# measured), and a PPO whose base cannot copy one states a random value when it learns to state it
+# (docs/real_pipeline.md, "The copy check").
 # An unknown ARCH: a message on stderr and status 2.
 tiny_arch_settings() {
     case $1 in
         gpt_neox) TINY_PREFIX=pythia BASE_MODELS_DIR=models/tiny ARCH_SUFFIX= BASE_BUDGET=12 TINY_RM_LR=3e-4 TINY_RM_EPOCHS=8
-                  BASE_COPY_CHECK= ;;
+                  BASE_PRETRAIN_POSTS=6000 BASE_COPY_CHECK= ;;
         llama) TINY_PREFIX=llama BASE_MODELS_DIR=models/tiny_llama ARCH_SUFFIX=_llama BASE_BUDGET=12 TINY_RM_LR=3e-4 TINY_RM_EPOCHS=8
-               BASE_COPY_CHECK=feeling ;;
+               BASE_PRETRAIN_POSTS=18000 BASE_COPY_CHECK="feeling duration" ;;
         qwen3) TINY_PREFIX=qwen3 BASE_MODELS_DIR=models/tiny_qwen3 ARCH_SUFFIX=_qwen3 BASE_BUDGET=6 TINY_RM_LR=3e-4 TINY_RM_EPOCHS=4
-               BASE_COPY_CHECK= ;;
+               BASE_PRETRAIN_POSTS=6000 BASE_COPY_CHECK= ;;
         *) echo "ARCH: '$1' is none of: gpt_neox llama qwen3" >&2; return 2 ;;
     esac
 }

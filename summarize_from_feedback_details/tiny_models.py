@@ -87,6 +87,10 @@ class Args:
     extra_corpus: Optional[str] = None
     """more rows in --corpus's schema that the tokenizer and the pretraining read after --corpus's
     (synthetic_tldr --num_pretrain_posts writes pretrain/train.jsonl: posts that end in a TL;DR)"""
+    extra_corpus_rows: Optional[int] = None
+    """read only the first this many rows of --extra_corpus (None: all). synthetic_tldr's pretraining posts
+    are one random stream, so the first N of a longer file are the file of N: one data folder serves
+    architectures whose bases read different amounts of it (sbatches/tiny_default.sh, BASE_PRETRAIN_POSTS)"""
     heldout_corpus: Optional[str] = None
     """posts the pretraining never sees, for each model's held-out loss in models.json; None:
     `validation.jsonl` next to --corpus (skipped when there is none)"""
@@ -111,11 +115,18 @@ class Args:
     warning (models.json records every seed's scores)"""
 
 
-def corpus_texts(*paths: str) -> list:
+def corpus_texts(*paths: str, last_rows: Optional[int] = None) -> list:
+    """Every post (title and body) of the JSONL files `paths`, then every summary (with its leading space);
+    of the last file only its first `last_rows` rows (None: all)."""
     rows = []
-    for path in paths:
+    for i, path in enumerate(paths):
         with open(path) as f:
-            rows += [json.loads(line) for line in f if line.strip()]
+            read = [json.loads(line) for line in f if line.strip()]
+        if i == len(paths) - 1 and last_rows is not None:
+            if not 0 < last_rows <= len(read):
+                raise ValueError(f"{path} has {len(read)} rows: cannot read the first {last_rows}")
+            read = read[:last_rows]
+        rows += read
     return [f"{r['title']}\n\n{r['post']}" for r in rows] + [" " + r["summary"] for r in rows]
 
 
@@ -304,10 +315,10 @@ def recipe(args: Args) -> dict:
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
 
-    # (the defaults of arch, extra_corpus and the copy check are left out: folders built before they existed
+    # (the defaults of arch, the extra corpus and its rows, and the copy check are left out: folders built before they existed
     # keep their recipe)
-    defaults = (("arch", "gpt_neox"), ("extra_corpus", None), ("copy_check", []), ("copy_check_min", 0.9),
-                ("copy_check_seeds", 8))
+    defaults = (("arch", "gpt_neox"), ("extra_corpus", None), ("extra_corpus_rows", None), ("copy_check", []),
+                ("copy_check_min", 0.9), ("copy_check_seeds", 8))
     wanted = {k: v for k, v in vars(args).items() if k not in ("output_dir", "sizes") and (k, v) not in defaults}
     if args.extra_corpus:
         wanted["extra_corpus_sha256"] = sha256(args.extra_corpus)
@@ -342,7 +353,10 @@ def build(args: Args) -> dict:
     os.makedirs(args.output_dir, exist_ok=True)
     random.seed(args.seed)
     np.random.seed(args.seed)
-    texts = corpus_texts(args.corpus, *([args.extra_corpus] if args.extra_corpus else []))
+    if args.extra_corpus_rows is not None and not args.extra_corpus:
+        raise ValueError("--extra_corpus_rows needs --extra_corpus")
+    texts = (corpus_texts(args.corpus, args.extra_corpus, last_rows=args.extra_corpus_rows) if args.extra_corpus
+             else corpus_texts(args.corpus))
     tokenizer = train_tokenizer(texts, args.vocab_size, args.arch)
     vocab_size = len(tokenizer)
     token_stream = post_stream(texts, tokenizer)

@@ -234,8 +234,10 @@ def test_finished_stages_are_skipped_and_force_reruns(checkout):
     assert flag(base, "--sizes") == "m" and flag(base, "--output_dir") == "models/tiny"
     # the base model also reads the data stage's posts that end in a TL;DR (docs/scaling.md)
     (data,) = [c for c in first if "summarize_from_feedback_details.synthetic_tldr" in c]
-    assert flag(data, "--num_pretrain_posts") == "6000"
+    assert flag(data, "--num_pretrain_posts") == "18000"
     assert flag(base, "--extra_corpus") == "data/raw/pretrain/train.jsonl"
+    # GPT-NeoX's base reads the first 6,000 of them, its base of before (docs/real_pipeline.md)
+    assert flag(base, "--extra_corpus_rows") == "6000"
     # DPO takes one pass over 6000 of the preference pairs, whatever their number
     assert flag(dpo_call, "--total_episodes") == "6000"
     # plots of this run's folders only, with the gold judge
@@ -462,9 +464,11 @@ def test_arch_builds_the_embedded_default_in_its_own_folders(checkout, arch):
     assert flag(build, "--sizes") == "m"
     # the pretraining budget at which the family's SFT copies the post's relation (docs/real_pipeline.md)
     assert flag(build, "--pretrain_tokens_per_parameter") == {"llama": "12", "qwen3": "6"}[arch]
-    # the Llama-style base is pretrained again from the next seed until it copies the post's feeling
+    # the Llama-style base reads three times the TL;DR posts and is pretrained again from the next seed
+    # until it copies the post's feeling and duration
     copy_check = build[build.index("--copy_check") + 1:] if "--copy_check" in build else []
-    assert copy_check == {"llama": ["feeling"], "qwen3": []}[arch]
+    assert copy_check == {"llama": ["feeling", "duration"], "qwen3": []}[arch]
+    assert flag(build, "--extra_corpus_rows") == {"llama": "18000", "qwen3": "6000"}[arch]
     (data,) = stage_calls(calls, "tldr_dataset.py")
     assert flag(data, "--base_model") == f"models/tiny_{arch}/{arch}-tiny-m" and flag(data, "--output_dir") == f"data/tldr_{arch}"
     sft_calls = stage_calls(calls, "sft.py")

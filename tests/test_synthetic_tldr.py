@@ -427,6 +427,11 @@ def test_pretrain_posts_end_in_a_tldr_that_states_every_fact(tmp_path):
     with open(os.path.join(with_posts, "pretrain", "train.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert len(rows) == 40 and len({r["post"] for r in rows}) == 40
+    # one stream: the first 25 of 40 are the file of 25 (tiny_models --extra_corpus_rows reads a prefix)
+    fewer = str(tmp_path / "fewer")
+    st.generate(dataclasses.replace(small_synthetic_args(fewer), num_pretrain_posts=25))
+    with open(os.path.join(fewer, "pretrain", "train.jsonl")) as f:
+        assert [json.loads(line) for line in f] == rows[:25]
     with open(os.path.join(with_posts, "tldr_sft", "train.jsonl")) as f:
         sft_posts = {json.loads(line)["post"] for line in f}
     for row in rows:

@@ -171,6 +171,35 @@ def test_extra_corpus_is_pretrained_on_and_in_the_recipe(raw_dir, tmp_path):
     assert grown == sum(len(tokenizer(f"{r['title']}\n\n{r['post']}")["input_ids"]) + 1 for r in rows)
 
 
+def test_extra_corpus_rows_builds_the_base_of_that_many_rows(raw_dir, tmp_path):
+    """--extra_corpus_rows N reads the first N rows of --extra_corpus: to the byte, the base (tokenizer and
+    weights) built from a file of those N rows alone, N in the recipe; N beyond the file, or without an
+    extra corpus, is refused before any pretraining."""
+    rows = synthetic_tldr.generate_pretrain_posts(random.Random(0), 12, 0.0)
+    longer, first = tmp_path / "longer.jsonl", tmp_path / "first.jsonl"
+    longer.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    first.write_text("".join(json.dumps(row) + "\n" for row in rows[:5]))
+    build(raw_dir, tmp_path / "rows", pretrain_steps=3, extra_corpus=str(longer), extra_corpus_rows=5)
+    build(raw_dir, tmp_path / "file", pretrain_steps=3, extra_corpus=str(first))
+    build(raw_dir, tmp_path / "all", pretrain_steps=3, extra_corpus=str(longer))
+    files = ["model.safetensors", "tokenizer.json"]
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "rows" / "pythia-tiny-s", tmp_path / "file" / "pythia-tiny-s",
+                                               files, shallow=False)
+    assert match == files, (mismatch, errors)
+    assert not filecmp.cmp(tmp_path / "rows" / "pythia-tiny-s" / "model.safetensors",
+                           tmp_path / "all" / "pythia-tiny-s" / "model.safetensors", shallow=False)
+    recipes = {}
+    for name in ("rows", "all"):
+        with open(tmp_path / name / "models.json") as f:
+            recipes[name] = json.load(f)["recipe"]
+    assert recipes["rows"].pop("extra_corpus_rows") == 5 and "extra_corpus_rows" not in recipes["all"]
+    assert recipes["rows"] == recipes["all"]
+    with pytest.raises(ValueError, match="has 12 rows: cannot read the first 13"):
+        build(raw_dir, tmp_path / "over", pretrain_steps=3, extra_corpus=str(longer), extra_corpus_rows=13)
+    with pytest.raises(ValueError, match="--extra_corpus_rows needs --extra_corpus"):
+        build(raw_dir, tmp_path / "none", pretrain_steps=3, extra_corpus_rows=5)
+
+
 def test_the_copy_probe_swaps_a_fact_of_each_held_out_post(raw_dir, monkeypatch):
     """copy_probe: the held-out posts as the stages' queries, their TL;DRs as references, one wrong fact
     per checked slot; the gold judge, which reads every fact off the post, prefers every reference (so
