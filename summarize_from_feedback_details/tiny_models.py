@@ -315,8 +315,8 @@ def recipe(args: Args) -> dict:
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
 
-    # (the defaults of arch, the extra corpus and its rows, and the copy check are left out: folders built before they existed
-    # keep their recipe)
+    # (the defaults of arch, the extra corpus and its rows, and the copy check are left out: folders built
+    # before they existed keep their recipe)
     defaults = (("arch", "gpt_neox"), ("extra_corpus", None), ("extra_corpus_rows", None), ("copy_check", []),
                 ("copy_check_min", 0.9), ("copy_check_seeds", 8))
     wanted = {k: v for k, v in vars(args).items() if k not in ("output_dir", "sizes") and (k, v) not in defaults}
@@ -344,6 +344,16 @@ def build(args: Args) -> dict:
     unknown = sorted(set(args.sizes) - set(SIZES))
     if unknown:
         raise ValueError(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
+    if args.extra_corpus_rows is not None and not args.extra_corpus:
+        raise ValueError("--extra_corpus_rows needs --extra_corpus")
+    # read before the output folder is touched: a corpus or held-out file that cannot be read leaves the
+    # models built before
+    texts = (corpus_texts(args.corpus, args.extra_corpus, last_rows=args.extra_corpus_rows) if args.extra_corpus
+             else corpus_texts(args.corpus))
+    heldout_path = args.heldout_corpus or os.path.join(os.path.dirname(args.corpus), "validation.jsonl")
+    if args.copy_check and not os.path.isfile(heldout_path):
+        raise FileNotFoundError(f"--copy_check reads held-out posts from {heldout_path}: no such file")
+    probe = copy_probe(heldout_path, args.copy_check) if args.copy_check else None
     wanted = recipe(args)
     prefix = FOLDER_PREFIX[args.arch]
     kept = {name: info for name, info in built_before(args.output_dir, wanted).items()
@@ -353,19 +363,11 @@ def build(args: Args) -> dict:
     os.makedirs(args.output_dir, exist_ok=True)
     random.seed(args.seed)
     np.random.seed(args.seed)
-    if args.extra_corpus_rows is not None and not args.extra_corpus:
-        raise ValueError("--extra_corpus_rows needs --extra_corpus")
-    texts = (corpus_texts(args.corpus, args.extra_corpus, last_rows=args.extra_corpus_rows) if args.extra_corpus
-             else corpus_texts(args.corpus))
     tokenizer = train_tokenizer(texts, args.vocab_size, args.arch)
     vocab_size = len(tokenizer)
     token_stream = post_stream(texts, tokenizer)
 
-    heldout_path = args.heldout_corpus or os.path.join(os.path.dirname(args.corpus), "validation.jsonl")
     heldout = heldout_windows(heldout_path, tokenizer, args.pretrain_seq_len) if os.path.isfile(heldout_path) else None
-    if args.copy_check and not os.path.isfile(heldout_path):
-        raise FileNotFoundError(f"--copy_check reads held-out posts from {heldout_path}: no such file")
-    probe = copy_probe(heldout_path, args.copy_check) if args.copy_check else None
 
     summary = {}
     for size in args.sizes:

@@ -173,8 +173,9 @@ def test_extra_corpus_is_pretrained_on_and_in_the_recipe(raw_dir, tmp_path):
 
 def test_extra_corpus_rows_builds_the_base_of_that_many_rows(raw_dir, tmp_path):
     """--extra_corpus_rows N reads the first N rows of --extra_corpus: to the byte, the base (tokenizer and
-    weights) built from a file of those N rows alone, N in the recipe; N beyond the file, or without an
-    extra corpus, is refused before any pretraining."""
+    weights) built from a file of those N rows alone, N in the recipe. N beyond the file, N without an extra
+    corpus, a copy check without held-out posts or of an unknown slot: refused before the output folder is
+    touched."""
     rows = synthetic_tldr.generate_pretrain_posts(random.Random(0), 12, 0.0)
     longer, first = tmp_path / "longer.jsonl", tmp_path / "first.jsonl"
     longer.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -194,10 +195,18 @@ def test_extra_corpus_rows_builds_the_base_of_that_many_rows(raw_dir, tmp_path):
             recipes[name] = json.load(f)["recipe"]
     assert recipes["rows"].pop("extra_corpus_rows") == 5 and "extra_corpus_rows" not in recipes["all"]
     assert recipes["rows"] == recipes["all"]
+    # into a folder of another recipe, which a build replaces: refused with the folder left as it was
     with pytest.raises(ValueError, match="has 12 rows: cannot read the first 13"):
-        build(raw_dir, tmp_path / "over", pretrain_steps=3, extra_corpus=str(longer), extra_corpus_rows=13)
+        build(raw_dir, tmp_path / "rows", pretrain_steps=3, extra_corpus=str(longer), extra_corpus_rows=13)
     with pytest.raises(ValueError, match="--extra_corpus_rows needs --extra_corpus"):
-        build(raw_dir, tmp_path / "none", pretrain_steps=3, extra_corpus_rows=5)
+        build(raw_dir, tmp_path / "rows", pretrain_steps=3, extra_corpus_rows=5)
+    with pytest.raises(FileNotFoundError, match="--copy_check reads held-out posts from .*missing.jsonl"):
+        build(raw_dir, tmp_path / "rows", pretrain_steps=3, copy_check=["feeling"],
+              heldout_corpus=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="unknown slots \\['mood'\\]"):
+        build(raw_dir, tmp_path / "rows", pretrain_steps=3, copy_check=["mood"])
+    assert filecmp.cmp(tmp_path / "rows" / "pythia-tiny-s" / "model.safetensors",
+                       tmp_path / "file" / "pythia-tiny-s" / "model.safetensors", shallow=False)
 
 
 def test_the_copy_probe_swaps_a_fact_of_each_held_out_post(raw_dir, monkeypatch):
