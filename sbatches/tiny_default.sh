@@ -61,8 +61,8 @@ TINY_DPO_FLAGS=(--lr 1e-4 --response_length 32 --local_eval_batch_size 100)
 # BASE_COPY_CHECK: the facts of a post the base must copy before it is kept (tiny_models --copy_check:
 # else it is pretrained again from the next seed); empty: the base of seed 1. Whether a Llama-style base
 # copies the feeling or the duration is a draw of its seed (GPT-NeoX's copies the feeling on seeds 1-3
-# and the duration on seed 1, all measured), and a PPO whose base cannot copy one states a random value when it learns to state it
-# (docs/real_pipeline.md, "The copy check").
+# and the duration on seed 1, all measured), and a PPO whose base cannot copy one states a random value
+# when it learns to state it (docs/real_pipeline.md, "The copy check").
 # An unknown ARCH: a message on stderr and status 2.
 tiny_arch_settings() {
     case $1 in
