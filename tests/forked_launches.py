@@ -20,6 +20,7 @@ The zygote reports each launch's CPU seconds, its ranks included, to tests/cpu_s
 CPU its own start took to the test that started it."""
 
 import atexit
+import faulthandler
 import json
 import os
 import runpy
@@ -31,6 +32,11 @@ import sys
 import threading
 import time
 from unittest import mock
+
+# a launch that outlives its timeout is sent this first: every process of it (the launcher and its ranks)
+# prints its threads' Python stacks into its stderr, which the TimeoutExpired then shows (a hang in CI is
+# rare and does not come again on demand: the failure must say where it stood)
+STACKS_SIGNAL = signal.SIGRTMIN + 3
 
 # what a stage's rank imports (the stage modules pull the rest: torch, transformers, peft, datasets)
 PRELOADED = ("deepspeed", "accelerate.commands.launch", "torch.distributed.run", "deepspeed.launcher.runner",
@@ -182,6 +188,7 @@ def serve(requests, replies):
                     opened = {path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # one file: one offset
                               for path in {request["stdout"], request["stderr"]}}
                     os.dup2(opened[request["stdout"]], 1), os.dup2(opened[request["stderr"]], 2)
+                    faulthandler.register(STACKS_SIGNAL, file=sys.__stderr__, all_threads=True)
                     os.environ.clear()
                     os.environ.update(request["env"])
                     os.chdir(request["cwd"])
@@ -297,19 +304,48 @@ class ForkedProcess:
         return self.returncode
 
     def communicate(self, timeout: float) -> tuple:
-        """(stdout, stderr) once it ended; past `timeout` its process group is killed and TimeoutExpired raised."""
+        """(stdout, stderr) once it ended; past `timeout` its processes print their stacks (STACKS_SIGNAL), its
+        process group is killed and LaunchTimedOut raised with that stderr."""
         try:
             self.wait(timeout)
         except subprocess.TimeoutExpired:
+            for pid in processes_in_group(self.pid):  # one at a time: their stacks go to one file
+                os.kill(pid, STACKS_SIGNAL)
+                time.sleep(0.5)
             os.killpg(self.pid, signal.SIGKILL)
             self.wait()
-            raise
+            raise LaunchTimedOut(self.args, timeout, *self.outputs()) from None
+        return self.outputs()
+
+    def outputs(self) -> tuple:
+        """(stdout, stderr) from the files they went to, which are removed (one file when they were the same)."""
         outputs = []
         for path in self.paths.values():
             with open(path) as f:
                 outputs.append(f.read())
+        for path in set(self.paths.values()):
             os.remove(path)
         return tuple(outputs)
+
+
+def processes_in_group(group: int) -> list:
+    """The processes of a process group, lowest pid (the launch's first process) first."""
+    found = []
+    for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:  # pid (comm) state ppid pgrp ...: comm may hold spaces
+                if int(f.read().rsplit(")", 1)[1].split()[2]) == group:
+                    found.append(pid)
+        except OSError:
+            continue  # one that ended
+    return sorted(found)
+
+
+class LaunchTimedOut(subprocess.TimeoutExpired):
+    """subprocess.TimeoutExpired that shows the end of the launch's stderr: its processes' stacks at the timeout."""
+
+    def __str__(self):
+        return f"{super().__str__()}; the end of its stderr, with every process's stacks:\n{self.stderr[-20000:]}"
 
 
 def count_cpu_elsewhere(seconds: float):

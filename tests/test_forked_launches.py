@@ -1,6 +1,7 @@
 """tests/forked_launches.py: a forked launch gives what the real one gives (exit status, every rank's
-output, torchrun's environment, a fresh `__main__`), fails and times out as subprocess.run does, and
-its CPU seconds, every rank's included, reach tests/cpu_seconds.py."""
+output, torchrun's environment, a fresh `__main__`), fails and times out as subprocess.run does (its
+timeout showing where each process stood), and its CPU seconds, every rank's included, reach
+tests/cpu_seconds.py."""
 
 import os
 import signal
@@ -93,12 +94,16 @@ def test_a_script_launched_with_python_and_its_threads(script, tmp_path):
     assert cpu >= 0.3
 
 
-def test_a_launch_past_its_timeout_is_killed(script, tmp_path):
+def test_a_launch_past_its_timeout_is_killed_and_shows_where_it_stood(script, tmp_path):
     start = time.monotonic()
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
         forked_launches.run(accelerate_launcher(2) + [script, "sleep"], tmp_path,
                             dict(os.environ, ACCELERATE_USE_CPU="1"), timeout=10)
     assert time.monotonic() - start < 30
+    # both ranks' stacks, at the script's sleep (its line 19), and the launcher's, waiting for them
+    shown = str(timed_out.value)
+    assert shown.count(f'File "{script}", line 19 in <module>') == 2, shown
+    assert "in torchrun_in_forks" in shown, shown
     assert forked_launches.run([sys.executable, script, "0"], tmp_path, dict(os.environ), timeout=60).returncode == 0
 
 
