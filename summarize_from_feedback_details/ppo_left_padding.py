@@ -119,6 +119,9 @@ class MethodArgs:
     """the score of a response without EOS (with --non_eos_penalty)"""
     non_eos_penalty: bool = True
     """the EOS trick: a rollout response without EOS gets --penalty_reward_value as its score (eval is unpenalised)"""
+    negative_control: Literal["none", "reward", "reward_and_critic"] = "none"
+    """what PPO is denied of the reward model (docs/compare.md): `reward` deals each update's scores to its responses
+    at random; `reward_and_critic` also holds the critic's values at 0 (its head 0, frozen): no information at all"""
 
     # seed, models and data
     seed: int = 1
@@ -234,15 +237,15 @@ STAT_NAMES = ("pg_loss", "vf_loss", "approxkl", "pg_clipfrac", "entropy", "ratio
               "policy_tokens", "vf_clipfrac", "value_tokens")
 
 
-# ---------------------------------------------------------------------------------------------
-# helpers (pure functions; tests import them)
-# ---------------------------------------------------------------------------------------------
+# ---- helpers (pure functions; tests import them) -------------------------------------------
 
 
 def derive_batch_sizes(args: Args, world_size: int) -> None:
     """Fills the derived batch fields; inexact divisions are errors."""
+    if args.local_generation_batch_size is None:
+        args.local_generation_batch_size = args.local_eval_batch_size + args.local_rollout_forward_batch_size
     for name in ("local_micro_batch_size", "gradient_accumulation_steps", "nminibatches", "local_eval_batch_size",
-                 "local_rollout_forward_batch_size", "total_episodes"):
+                 "local_rollout_forward_batch_size", "total_episodes", "local_generation_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.ppo.noptepochs < 1:
@@ -252,10 +255,6 @@ def derive_batch_sizes(args: Args, world_size: int) -> None:
     args.local_batch_size = args.local_mini_batch_size * args.nminibatches
     args.mini_batch_size = args.local_mini_batch_size * world_size
     args.batch_size = args.local_batch_size * world_size
-    if args.local_generation_batch_size is None:
-        args.local_generation_batch_size = args.local_eval_batch_size + args.local_rollout_forward_batch_size
-    if args.local_generation_batch_size < 1:
-        raise ValueError(f"--local_generation_batch_size must be >= 1, got {args.local_generation_batch_size}")
     if args.local_batch_size % args.local_rollout_forward_batch_size:
         raise ValueError(f"local_batch_size {args.local_batch_size} is not divisible by "
                          f"--local_rollout_forward_batch_size {args.local_rollout_forward_batch_size}")
@@ -388,11 +387,17 @@ def penalize_missing_eos(scores: torch.Tensor, postprocessed_responses: torch.Te
     return torch.where(contain_eos, scores, torch.full_like(scores, penalty))
 
 
+def shuffled_scores(scores: torch.Tensor, seed: int, update: int, accelerator) -> torch.Tensor:
+    """The global batch's scores permuted from (seed, 4, update), this process's share (any process count: one deal)."""
+    every = accelerator.gather(scores)
+    order = torch.randperm(len(every), generator=torch.Generator().manual_seed(derived_seed(seed, 4, update)))
+    return every[order.to(every.device)].chunk(accelerator.num_processes)[accelerator.process_index]
+
+
 def kl_rewards(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, scores: torch.Tensor,
                sequence_lengths: torch.Tensor, kl_coef: float) -> tuple:
-    """Per-token rewards -kl_coef * (logprob - ref_logprob) (the k1 estimator on the sampled tokens),
-    plus the score at EOS+1, or at the EOS when it is the last position (also: no EOS at all).
-    Returns (rewards, kl, non_score_reward)."""
+    """Per-token rewards -kl_coef * (logprob - ref_logprob) (the k1 estimator on the sampled tokens), plus the score at
+    EOS+1, or at the EOS when it is the last position (also: no EOS at all). Returns (rewards, kl, non_score_reward)."""
     kl = logprobs - ref_logprobs
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
@@ -448,8 +453,7 @@ def policy_loss(new_logprobs: torch.Tensor, logprobs: torch.Tensor, advantages: 
 def value_loss(vpred: torch.Tensor, values: torch.Tensor, returns: torch.Tensor, cliprange_value: float) -> tuple:
     """Per-token clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2); returns (losses, clipped)."""
     vpredclipped = values + torch.clamp(vpred - values, -cliprange_value, cliprange_value)
-    vf_losses1 = (vpred - returns) ** 2
-    vf_losses2 = (vpredclipped - returns) ** 2
+    vf_losses1, vf_losses2 = (vpred - returns) ** 2, (vpredclipped - returns) ** 2
     return 0.5 * torch.max(vf_losses1, vf_losses2), (vf_losses2 > vf_losses1).float()
 
 
@@ -561,11 +565,10 @@ def update_metrics(accelerator, stats: torch.Tensor, kl, non_score_reward, score
     stats = accelerator.reduce(stats, "sum")
     stat = dict(zip(STAT_NAMES, stats.unbind(-1)))
     totals = stats.sum((0, 1))
-    mean_kl = kl.sum(1).mean().item()
     mean_non_score_reward = non_score_reward.sum(1).mean().item()
     mean_score = scores.mean().item()
     return {
-        "objective/kl": mean_kl,
+        "objective/kl": kl.sum(1).mean().item(),
         # estimated entropy (sum of -logprob of the sampled tokens) over real tokens only
         "objective/entropy": (-logprobs).masked_fill(padding_mask, 0).sum(1).mean().item(),
         "objective/non_score_reward": mean_non_score_reward,
@@ -606,8 +609,7 @@ def main(args: Args) -> None:
     run = start_run(args, {"stage": "ppo_left_padding", "seed": args.seed, "batch_size": args.batch_size,
                            "mini_batch_size": args.mini_batch_size, "total_episodes": args.total_episodes,
                            "num_updates": args.num_updates,
-                           "local_rollout_forward_batch_size": args.local_rollout_forward_batch_size},
-                    generates=True)
+                           "local_rollout_forward_batch_size": args.local_rollout_forward_batch_size}, generates=True)
     accelerator, start_update = run.accelerator, run.start_update
     run.print_batch_arithmetic("episodes", f"whitening {'per rank' if args.ppo.whiten_per_rank else 'global'}",
                                f"loss normalised per {args.ppo.loss_normalization.replace('_', '-')}",
@@ -617,6 +619,8 @@ def main(args: Args) -> None:
     pad_id, eos_id, vocab_end = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
     policy, critic, ref_policy, reward_model = load_policy_reference_reward(run, tokenizer, with_critic=True,
                                                                           share_prefixes=False)  # (one sample a query)
+    if args.negative_control == "reward_and_critic":  # the critic is a copy of the reward model: values 0
+        critic.score.requires_grad_(False).weight.data.zero_()
     model = PolicyAndValueWrapper(policy, critic, pad_id)
     optimizer = make_optimizer(args, model, groups=(model.policy, model.critic))  # (learning_rates sets each)
 
@@ -686,6 +690,8 @@ def main(args: Args) -> None:
                 query_responses = torch.cat([queries, responses], 1)
                 postprocessed_responses = truncate_response(responses, eos_id, pad_id)
                 contain_eos = (postprocessed_responses == eos_id).any(-1)
+                if args.negative_control != "none":  # each score to a random response (the EOS trick reads its own)
+                    scores = shuffled_scores(scores, args.seed, update, accelerator)
                 if args.non_eos_penalty:
                     scores = penalize_missing_eos(scores, postprocessed_responses, eos_id, args.penalty_reward_value)
                 sequence_lengths, padding_mask, padding_mask_p1 = response_masks(postprocessed_responses, pad_id)
@@ -762,8 +768,7 @@ def main(args: Args) -> None:
             metrics = {
                 **update_metrics(accelerator, stats, kl, non_score_reward, scores, logprobs, padding_mask, contain_eos,
                                  sequence_lengths, values, returns, padding_mask_p1, validation_metrics),
-                "ppo/lr": policy_lr, "ppo/vf_lr": critic_lr,
-                "ppo/episode": update * args.batch_size,
+                "ppo/lr": policy_lr, "ppo/vf_lr": critic_lr, "ppo/episode": update * args.batch_size,
                 "ppo/eps": (update - start_update) * args.batch_size / (time.time() - start),
                 # the global batch's query + response positions, and the tokens generated (the validation
                 # queries' responses come from the same decodes)

@@ -370,6 +370,26 @@ def test_minibatch_rows_are_the_same_minibatches_on_any_process_count():
     assert all(torch.equal(a, b) for a, b in zip(one, ppo.minibatch_rows(3, 5, 1, 16, 2, rank=0, world_size=1)))
 
 
+def test_shuffled_scores_deal_the_global_batch_the_same_on_any_process_count():
+    """--negative_control: the global batch's scores permuted from (seed, 4, update) alone,
+    each process keeping its share: every score paid once, to rows the process count does not change."""
+    scores = torch.arange(8.0) * 10
+
+    def accelerator(rank: int, world_size: int):  # gather: the ranks' shares in rank order, as accelerate's
+        return types.SimpleNamespace(gather=lambda share: scores, num_processes=world_size, process_index=rank)
+
+    one = ppo.shuffled_scores(scores, 3, 5, accelerator(0, 1))
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(rollout.derived_seed(3, 4, 5)))
+    assert torch.equal(one, scores[order]) and not torch.equal(one, scores)
+    assert sorted(one.tolist()) == scores.tolist()  # the scores' distribution kept exactly
+    for world_size in (2, 4):
+        shares = [ppo.shuffled_scores(scores.chunk(world_size)[r], 3, 5, accelerator(r, world_size))
+                  for r in range(world_size)]
+        assert all(len(share) == 8 // world_size for share in shares) and torch.equal(torch.cat(shares), one)
+    assert not torch.equal(ppo.shuffled_scores(scores, 3, 6, accelerator(0, 1)), one)  # a new deal each update
+    assert not torch.equal(ppo.shuffled_scores(scores, 4, 5, accelerator(0, 1)), one)
+
+
 def hf_samples(model, queries, temperature, seed, length):
     """What HF generate samples for `queries` alone under torch.manual_seed(seed)."""
     torch.manual_seed(seed)
@@ -890,6 +910,33 @@ def test_critic_warmup_leaves_the_policy_unchanged(tiny_datasets, checkpoints, t
     saved = load_file(os.path.join(workdir, "warmup", "model.safetensors"))
     sft = load_file(os.path.join(checkpoints[0], "model.safetensors"))
     assert all(torch.equal(saved[k], sft[k]) for k in sft)
+
+
+@pytest.mark.parametrize("denied", ["reward", "reward_and_critic"])
+def test_negative_control_deals_the_scores_at_random_and_can_silence_the_critic(tiny_datasets, checkpoints, tmp_path,
+                                                                                one_thread, monkeypatch, denied):
+    """--negative_control reward: every update's scores go through shuffled_scores before the EOS trick, the critic
+    the reward model's copy; reward_and_critic: its values 0 throughout (head 0, frozen), explaining none of the
+    returns at any update."""
+    dealt, shuffled = [], ppo.shuffled_scores
+
+    def spy(scores, seed, update, accelerator):
+        out = shuffled(scores, seed, update, accelerator)
+        dealt.append((update, scores.clone(), out.clone()))
+        return out
+
+    monkeypatch.setattr(ppo, "shuffled_scores", spy)
+    workdir = str(tmp_path)
+    args = tiny_args(tiny_datasets, checkpoints, workdir, "control", total_episodes=32, local_micro_batch_size=8,
+                     gradient_accumulation_steps=2, local_rollout_forward_batch_size=16, local_eval_batch_size=4,
+                     response_length=16, negative_control=denied)
+    first, second = run_ppo(args, workdir)
+    assert [update for update, _, _ in dealt] == [1, 2]
+    for _, scores, out in dealt:
+        assert sorted(out.tolist()) == sorted(scores.tolist()) and not torch.equal(out, scores)
+    # reward_and_critic: values 0 at both updates (returns - 0 = returns); a critic that learned would explain some
+    explained = [m["ppo/val/explained_variance"] for m in (first, second)]
+    assert (explained == [0.0, 0.0]) == (denied == "reward_and_critic"), explained
 
 
 def test_smoke_one_update_of_the_tiny_default(tiny_datasets, checkpoints, tmp_path, one_thread, monkeypatch):
