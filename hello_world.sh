@@ -28,8 +28,9 @@
 #                              folders (default hello_world[_<model>])
 #   ALGOS=all ./hello_world.sh the methods after the reward model: ALGOS lists them, default
 #                              "ppo dpo"; all = every row of summarize_from_feedback_details/methods.tsv:
-#                              ppo dpo rloo rloo_k4 grpo online_dpo control (rloo.py with k=2, k=4 and
-#                              as GRPO with k=4; online_dpo.py; PPO against an untrained reward model),
+#                              ppo dpo rloo rloo_k4 grpo online_dpo control null_control (rloo.py with
+#                              k=2, k=4 and as GRPO with k=4; online_dpo.py; PPO against an untrained
+#                              reward model; PPO with the trained one's scores shuffled, its critic at 0),
 #                              each at PPO's episodes;
 #                              ALGOS=ppo is the sizes x seeds sweep of scaling.sh, ALGOS=all that of
 #                              compare.sh (make compare)
@@ -93,6 +94,7 @@ EVAL_BATCH=${EVAL_BATCH:-8}
 PPO_OFFLOAD=${PPO_OFFLOAD:-0}    # 1: the frozen reference and reward model live in CPU memory (6.9b)
 TRACK=${TRACK:-0}                # 1: log to wandb as well (WANDB_MODE=offline keeps it local)
 # the registry's names (summarize_from_feedback_details/methods.tsv): ppo dpo rloo rloo_k4 grpo online_dpo control
+# null_control
 ALL_ALGOS=$(method_names)
 ALGOS=${ALGOS:-ppo dpo}
 [[ $ALGOS == all ]] && ALGOS=$ALL_ALGOS
@@ -510,6 +512,16 @@ if wanted control; then
     run_stage "ppo_left_padding.py (control)" $OUT_DIR/ppo_control/model.safetensors \
         run_training ppo_control ppo_left_padding.py "${PPO_ARGS[@]}" \
             --reward_model_path $OUT_DIR/reward_model_control --exp_name ppo_control --output_dir $OUT_DIR/ppo_control
+fi
+# The null control: the same PPO against the trained reward model with its information withheld (each update's
+# scores dealt to its responses at random, the critic's values held at 0; the registry's flags). A random head is
+# still a reward, one that can favour what the gold judge favours (docs/compare.md); this one carries nothing.
+if wanted null_control; then
+    read -r _ _ null_flags <<<"$(method_row null_control)"
+    read -ra null_flags <<<"$null_flags"
+    run_stage "ppo_left_padding.py (null control)" $OUT_DIR/ppo_null_control/model.safetensors \
+        run_training ppo_null_control ppo_left_padding.py "${PPO_ARGS[@]}" \
+            --reward_model_path $OUT_DIR/reward_model "${null_flags[@]}" --output_dir $OUT_DIR/ppo_null_control
 fi
 
 # The eval plots (eval/, reruns in seconds, so never skipped): SFT ROUGE-L and RM accuracy vs model

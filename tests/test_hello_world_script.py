@@ -527,7 +527,7 @@ def test_algos_chooses_the_methods_after_the_reward_model(checkout):
     assert len(stage_calls(calls, "eval/rlhf_scaling_plot.py")) == 1
     result, calls = run(checkout, 0, "--force", ALGOS="all", RLOO_FLAGS="--kl_coef 0.1", ONLINE_DPO_FLAGS="--beta 0.2")
     assert result.returncode == 0, result.stderr
-    assert len(calls_of(calls, "dpo.py")) == 1 and len(calls_of(calls, "ppo_left_padding.py")) == 2  # the control's too
+    assert len(calls_of(calls, "dpo.py")) == 1 and len(calls_of(calls, "ppo_left_padding.py")) == 3  # the controls' too
     rloo, rloo_k4, grpo = calls_of(calls, "rloo.py")
     (online,) = calls_of(calls, "online_dpo.py")
     for call, name, k in ((rloo, "rloo", 2), (rloo_k4, "rloo_k4", 4), (grpo, "grpo", 4), (online, "online_dpo", 2)):
@@ -549,10 +549,13 @@ def test_algos_chooses_the_methods_after_the_reward_model(checkout):
     assert flag(control_rm, "--total_episodes") == "0" and flag(control_rm, "--exp_name") == "reward_control"
     shared = rm[:rm.index("--output_dir")]
     assert control_rm[:len(shared)] == shared
-    ppo, control = calls_of(calls, "ppo_left_padding.py")
+    ppo, control, null = calls_of(calls, "ppo_left_padding.py")
     assert flag(control, "--reward_model_path") == "models/hello_world/reward_model_control"
     assert (flag(control, "--exp_name"), flag(control, "--output_dir")) == ("ppo_control", "models/hello_world/ppo_control")
     assert control[:control.index("--reward_model_path")] == ppo[:ppo.index("--reward_model_path")]
+    # the null control: PPO's flags against the trained reward model, its scores dealt at random, the critic at 0
+    assert null[:null.index("--exp_name")] == ppo[:ppo.index("--output_dir")] + ["--negative_control", "reward_and_critic"]
+    assert (flag(null, "--exp_name"), flag(null, "--output_dir")) == ("ppo_null_control", "models/hello_world/ppo_null_control")
     result, calls = run(checkout, 8, MODEL="EleutherAI/pythia-1b-deduped", ALGOS="rloo_k4 online_dpo")
     assert result.returncode == 0, result.stderr
     assert not calls_of(calls, "ppo_left_padding.py") and not calls_of(calls, "dpo.py")

@@ -33,7 +33,7 @@ def shell(command: str) -> str:
 def test_shell_and_python_read_the_same_rows():
     names, rloo_names, sampled = (shell(c) for c in ("method_names", "method_names rloo.py", "sampled_method_names"))
     assert names.split() == [m.name for m in methods.METHODS] == ["ppo", "dpo", "rloo", "rloo_k4", "grpo",
-                                                                   "online_dpo", "control"]
+                                                                   "online_dpo", "control", "null_control"]
     assert rloo_names.split() == [m.name for m in methods.METHODS if m.script == "rloo.py"]
     assert sampled.split() == [m.name for m in methods.METHODS if m.samples is not None]
     for method in methods.METHODS:
@@ -43,7 +43,7 @@ def test_shell_and_python_read_the_same_rows():
     # the results table and eval/ list the registry's rows, in its order
     assert DPO_AND_ONLINE_METHODS == tuple((m.label, m.run) for m in methods.METHODS)
     assert common.OTHER_METHODS == ["rloo=RLOO k=2", "rloo_k4=RLOO k=4", "grpo=GRPO k=4", "online_dpo=online DPO",
-                                    "ppo_control=control"]
+                                    "ppo_control=control", "ppo_null_control=null control"]
 
 
 @pytest.mark.parametrize("row, message", [
@@ -77,13 +77,13 @@ def test_a_new_row_is_trained_by_hello_world_and_listed_by_eval(checkout, tmp_pa
     assert result.returncode == 0, result.stderr
     trained = [os.path.basename(flag(c, "--output_dir")) for c in calls if any(a.endswith(".py") for a in c)
                and "--output_dir" in c]
-    assert trained.index("rloo_token") == trained.index("online_dpo") + 1 and trained[-1] == "ppo_control"
+    assert trained.index("rloo_token") == trained.index("online_dpo") + 1 and trained[-2:] == ["ppo_control", "ppo_null_control"]
     (token,) = [c for c in stage_calls(calls, "rloo.py") if "--token_level_ratio" in c]
     assert flag(token, "--exp_name") == "rloo_token" and flag(token, "--output_dir") == "models/hello_world/rloo_token"
     assert flag(token, "--local_rollout_forward_batch_size") == "32"  # (64 episodes / 2 samples)
     result, calls = run(checkout, 0, ALGOS="rloo_token", NAME="alone")  # (a new NAME: nothing to skip)
     assert result.returncode == 0 and len(stage_calls(calls, "rloo.py")) == 1
     added = methods.read_methods(registry)
-    assert [f"{m.run}={m.label}" for m in added if m.name not in ("ppo", "dpo")][-2:] == [
-        "rloo_token=RLOO k=2 token ratio", "ppo_control=control"]
+    assert [f"{m.run}={m.label}" for m in added if m.name not in ("ppo", "dpo")][-3:] == [
+        "rloo_token=RLOO k=2 token ratio", "ppo_control=control", "ppo_null_control=null control"]
     assert ("RLOO k=2 token ratio", "rloo_token") in [(m.label, m.run) for m in added]
