@@ -521,7 +521,7 @@ if wanted null_control; then
     read -ra null_flags <<<"$null_flags"
     run_stage "ppo_left_padding.py (null control)" $OUT_DIR/ppo_null_control/model.safetensors \
         run_training ppo_null_control ppo_left_padding.py "${PPO_ARGS[@]}" \
-            --reward_model_path $OUT_DIR/reward_model "${null_flags[@]}" --output_dir $OUT_DIR/ppo_null_control
+            --reward_model_path $OUT_DIR/reward_model ${null_flags[@]+"${null_flags[@]}"} --output_dir $OUT_DIR/ppo_null_control
 fi
 
 # The eval plots (eval/, reruns in seconds, so never skipped): SFT ROUGE-L and RM accuracy vs model
