@@ -24,6 +24,7 @@ import torch
 import tyro
 from common import write_table
 
+from summarize_from_feedback_details.evaluation import pair_ids
 from summarize_from_feedback_details.infra.loading import load_policy, load_tokenizer
 
 
@@ -49,11 +50,11 @@ def end_margin(logits: torch.Tensor, eos_id: int) -> tuple:
 
 
 def end_logits(model, tokenizer, query: str, response: str) -> torch.Tensor:
-    """The next-token logits after `response` given `query` (evaluation.response_logprobs' encoding: the query
-    as the datasets encode it, the response without special tokens), one pair per forward: no padding."""
-    ids = tokenizer(query)["input_ids"] + tokenizer(response, add_special_tokens=False)["input_ids"]
+    """The next-token logits after `response` given `query`, read as evaluation.response_logprobs reads a pair
+    (evaluation.pair_ids: no padding)."""
+    query_ids, response_ids = pair_ids(tokenizer, query, response)
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0, -1]
+        return model(torch.tensor([query_ids + response_ids])).logits[0, -1]
 
 
 def main(args: Args) -> pd.DataFrame:

@@ -278,14 +278,18 @@ def swap_preferences(score, queries: list, texts: list, pairs: dict) -> dict:
 
 
 @torch.no_grad()
+def pair_ids(tokenizer, query: str, response: str) -> tuple:
+    """(query ids, response ids) of a text pair read without padding: the query encoded as the datasets encode it
+    (a BOS where the tokenizer prepends one), the response without special tokens."""
+    return tokenizer(query)["input_ids"], tokenizer(response, add_special_tokens=False)["input_ids"]
+
+
 def response_logprobs(model, tokenizer, queries: list, responses: list) -> np.ndarray:
     """log p(response | query) per pair, summed over the response's tokens, one pair per forward (no
-    padding): the query encoded as the datasets encode it (a BOS where the tokenizer prepends one), the
-    response without special tokens."""
+    padding; pair_ids' encoding)."""
     sums = []
     for query, response in zip(queries, responses):
-        query_ids = tokenizer(query)["input_ids"]
-        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+        query_ids, response_ids = pair_ids(tokenizer, query, response)
         logits = model(torch.tensor([query_ids + response_ids])).logits[0, len(query_ids) - 1:-1].float()
         sums.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(response_ids)[:, None]).sum().item())
     return np.array(sums)
