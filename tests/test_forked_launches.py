@@ -31,6 +31,8 @@ say("to stderr", sys.stderr)
 end = time.process_time() + float(os.environ.get("BURN_S", "0"))
 while time.process_time() < end:
     pass
+if dist.is_initialized():  # every rank burns its whole share before one fails and the launcher stops the rest
+    dist.barrier()
 if sys.argv[1] == "raise":
     raise ValueError("the stage failed")
 if sys.argv[1] == "sleep":
@@ -81,7 +83,7 @@ def test_a_two_process_launch_runs_as_the_real_one_does(script, tmp_path, exit_c
     for result in (real, forked):
         told = [line.split(": ", 1)[1] for line in result.stderr.splitlines() if line.startswith("[rank")]
         assert told[:3] == ([] if exit_code != "raise" else [
-            "Traceback (most recent call last):", f'  File "{script}", line 17, in <module>',
+            "Traceback (most recent call last):", f'  File "{script}", line 19, in <module>',
             '    raise ValueError("the stage failed")']), result.stderr
     assert "to stderr" in forked.stderr
     assert cpu >= 2 * 0.5  # both ranks' CPU, though they are the zygote's grandchildren
@@ -100,9 +102,9 @@ def test_a_launch_past_its_timeout_is_killed_and_shows_where_it_stood(script, tm
         forked_launches.run(accelerate_launcher(2) + [script, "sleep"], tmp_path,
                             dict(os.environ, ACCELERATE_USE_CPU="1"), timeout=10)
     assert time.monotonic() - start < 30
-    # both ranks' stacks, at the script's sleep (its line 19), and the launcher's, waiting for them
+    # both ranks' stacks, at the script's sleep (its line 21), and the launcher's, waiting for them
     shown = str(timed_out.value)
-    assert shown.count(f'File "{script}", line 19 in <module>') == 2, shown
+    assert shown.count(f'File "{script}", line 21 in <module>') == 2, shown
     assert "in torchrun_in_forks" in shown, shown
     assert forked_launches.run([sys.executable, script, "0"], tmp_path, dict(os.environ), timeout=60).returncode == 0
 
