@@ -277,13 +277,13 @@ def swap_preferences(score, queries: list, texts: list, pairs: dict) -> dict:
     return accuracy
 
 
-@torch.no_grad()
 def pair_ids(tokenizer, query: str, response: str) -> tuple:
     """(query ids, response ids) of a text pair read without padding: the query encoded as the datasets encode it
     (a BOS where the tokenizer prepends one), the response without special tokens."""
     return tokenizer(query)["input_ids"], tokenizer(response, add_special_tokens=False)["input_ids"]
 
 
+@torch.no_grad()
 def response_logprobs(model, tokenizer, queries: list, responses: list) -> np.ndarray:
     """log p(response | query) per pair, summed over the response's tokens, one pair per forward (no
     padding; pair_ids' encoding)."""
