@@ -47,8 +47,9 @@ def test_a_model_that_reads_nothing_prefers_the_shorter_of_each_pair(tmp_path, t
                        [-length(text) * log_vocabulary for text in REFERENCES[:2]], rtol=0, atol=1e-4)
     # read without autograd: a scorer over thousands of pairs must not build a graph per forward
     grad_enabled = []
-    loaded.register_forward_hook(lambda module, inputs, output: grad_enabled.append(torch.is_grad_enabled()))
+    hook = loaded.register_forward_hook(lambda module, inputs, output: grad_enabled.append(torch.is_grad_enabled()))
     evaluation.response_logprobs(loaded, tokenizer, [POST], REFERENCES[:1])
+    hook.remove()
     assert grad_enabled == [False]
     queries, texts, pairs = fact_swap_pairs(pd.read_csv(table))
     for slot, swaps in pairs.items():

@@ -83,8 +83,8 @@ def pipeline(request, tmp_path_factory):
         output_dir=raw, num_sft_test=20, num_sft_validation=300, num_comparison_train=RM_PAIRS,
         num_comparison_validation=100, num_comparison_validation_cnndm=20, minimal_pair_fraction=1.0,
         num_pretrain_posts=pretrain_posts))
-    extra_corpus = dict(extra_corpus=os.path.join(raw, "pretrain", "train.jsonl")) if pretrain_posts else {}
-    tiny_models.build(tiny_models.Args(corpus=os.path.join(raw, "tldr_sft", "train.jsonl"), **extra_corpus,
+    extra_corpus = os.path.join(raw, "pretrain", "train.jsonl") if pretrain_posts else None
+    tiny_models.build(tiny_models.Args(corpus=os.path.join(raw, "tldr_sft", "train.jsonl"), extra_corpus=extra_corpus,
                                        output_dir=os.path.join(root, "tiny"), sizes=[SIZE], arch=arch,
                                        pretrain_tokens_per_parameter=tokens_per_parameter))
     base = os.path.join(root, "tiny", f"{tiny_models.FOLDER_PREFIX[arch]}-tiny-{SIZE}")
