@@ -121,8 +121,8 @@ TINY_LENGTHS=(
     --tldr_params.max_rm_response_length 80
     --tldr_params.max_rm_query_response_length 240
     --cnndm_params.length 320
-    --cnndm_params.max_rm_response_length 80
-    --cnndm_params.max_rm_query_response_length 400
+    --cnndm_params.max_rm_response_length 96
+    --cnndm_params.max_rm_query_response_length 416
 )
 
 if [[ $MODEL == "$BASE_MODELS_DIR"/* ]]; then

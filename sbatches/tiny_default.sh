@@ -9,9 +9,12 @@
 # architecture's base reads the first BASE_PRETRAIN_POSTS of them, below), and
 # preference pairs of which 60% are minimal pairs, 60% of those a summary against itself with the relation,
 # the problem or the feeling swapped, so that the reward model checks those facts against the post
-# (docs/embedded_default.md, "The reward model checks the facts")
+# (docs/embedded_default.md, "The reward model checks the facts"). The relation is named twice, so half
+# of the swaps are of the relation: with it named once, GPT-NeoX's reward model of this CPU checked the
+# relation in 0.611 of the swaps (seed 1; 0.613 and 0.677 on seeds 2 and 3), named twice 0.885 and 0.949
+# on seeds 2 and 3 (docs/real_pipeline.md, "The relation's share of the swapped pairs")
 TINY_DATA_FLAGS=(--seed 1 --num_pretrain_posts 18000 --minimal_pair_fraction 0.6 --fact_swap_fraction 0.6
-                 --fact_swap_slots relation problem feeling)
+                 --fact_swap_slots relation relation problem feeling)
 # two SFT runs (all tokens: the reward model's backbone; summary tokens: the policy), one epoch of
 # the 6,000 SFT rows each
 TINY_SFT_BATCH=32

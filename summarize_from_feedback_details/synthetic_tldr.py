@@ -82,7 +82,7 @@ class Args:
     nothing for it"""
     fact_swap_slots: tuple[str, ...] = ("relation",)
     """the facts `fact_swap_fraction`'s pairs swap, one drawn per pair (of relation, problem, ask, duration,
-    feeling)"""
+    feeling), each entry equally likely: a fact named twice is swapped twice as often as one named once"""
     num_pretrain_posts: int = 0
     """posts of their own random stream in pretrain/train.jsonl, each ending in its author's TL;DR that states
     every fact: text for the base models to pretrain on besides the SFT posts (tiny_models --extra_corpus), as a

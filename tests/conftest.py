@@ -25,7 +25,7 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 # tiny models on a CPU, and some synthetic posts are long enough to need smart truncation.
 TINY_TLDR_PARAMS = dict(length=160, max_sft_response_length=32, max_sft_query_response_length=192,
                         max_rm_response_length=80, max_rm_query_response_length=240)
-TINY_CNNDM_PARAMS = dict(length=320, max_rm_response_length=80, max_rm_query_response_length=400)
+TINY_CNNDM_PARAMS = dict(length=320, max_rm_response_length=96, max_rm_query_response_length=416)
 
 
 def small_synthetic_args(output_dir: str, seed: int = 1) -> synthetic_tldr.Args:

@@ -1,3 +1,4 @@
+import collections
 import dataclasses
 import filecmp
 import json
@@ -403,6 +404,27 @@ def test_fact_swap_pairs_state_the_named_facts_wrong():
     for seed in range(50):
         draws = [st.minimal_pair(*_example(seed)[:2], **more) for more in ({}, {"fact_swap": 0.0})]
         assert draws[0] == draws[1]
+
+
+def test_a_fact_named_twice_in_fact_swap_slots_is_swapped_twice_as_often():
+    """--fact_swap_slots relation relation problem feeling (hello_world's data): each entry is equally likely,
+    so half of the swaps are of the relation and a quarter each of the problem and the feeling; without the
+    repeat, a third each."""
+    def shares(slots):
+        counts = collections.Counter()
+        for seed in range(3000):
+            rng, facts, _ = _example(seed)
+            note = st.minimal_pair(rng, facts, fact_swap=1.0, swap_slots=slots)[1][2]
+            counts[note.split()[1]] += 1
+        return {slot: count / 3000 for slot, count in counts.items()}
+
+    doubled, once = shares(("relation", "relation", "problem", "feeling")), shares(("relation", "problem", "feeling"))
+    assert abs(doubled["relation"] - 1 / 2) < 0.03
+    assert abs(doubled["problem"] - 1 / 4) < 0.03 and abs(doubled["feeling"] - 1 / 4) < 0.03
+    assert all(abs(share - 1 / 3) < 0.03 for share in once.values()) and len(once) == 3
+    flags = embedded_default_data_flags()
+    start = flags.index("--fact_swap_slots") + 1
+    assert flags[start:start + 4] == ["relation", "relation", "problem", "feeling"]
 
 
 def test_unknown_fact_swap_slot_is_refused_before_anything_is_written(tmp_path):
