@@ -404,8 +404,8 @@ if [[ $TINY == 1 ]]; then
     # not the relation, the feeling or the duration, even where the pairs swap them (docs/embedded_default.md,
     # "The reward model checks the facts"); with one, one reward model in three that make compare
     # trained let PPO state wrong optional facts. The epochs and the learning rate are the
-    # architecture's TINY_RM_EPOCHS and TINY_RM_LR (GPT-NeoX and the Llama-style reward model: eight at
-    # 3e-4; the Qwen3-style: four at 3e-4; sbatches/tiny_default.sh says why). Adam's epsilon is torch's 1e-8, not the
+    # architecture's TINY_RM_EPOCHS and TINY_RM_LR (eight at 3e-4 for every architecture;
+    # sbatches/tiny_default.sh says why). Adam's epsilon is torch's 1e-8, not the
     # paper's 1e-5: a tiny model's last-layer gradients are near 1e-5 (tiny-l's median sqrt(v) 1.3e-5
     # to 1.7e-5), so 1e-5 would halve the larger sizes' steps and undo the scaling (docs/scaling.md,
     # "What sets the reward model's accuracy"); Pythia runs keep the paper's 1e-5.

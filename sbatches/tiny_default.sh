@@ -11,8 +11,8 @@
 # the problem or the feeling swapped, so that the reward model checks those facts against the post
 # (docs/embedded_default.md, "The reward model checks the facts"). The relation is named twice, so half
 # of the swaps are of the relation: with it named once, GPT-NeoX's reward model of this CPU checked the
-# relation in 0.611 of the swaps (seed 1; 0.613 and 0.677 on seeds 2 and 3), named twice 0.885 and 0.949
-# on seeds 2 and 3 (docs/real_pipeline.md, "The relation's share of the swapped pairs")
+# relation in 0.611 of the swaps (seed 1; 0.613 and 0.677 on seeds 2 and 3), named twice 0.955, 0.885 and
+# 0.949 (docs/real_pipeline.md, "The relation's share of the swapped pairs")
 TINY_DATA_FLAGS=(--seed 1 --num_pretrain_posts 18000 --minimal_pair_fraction 0.6 --fact_swap_fraction 0.6
                  --fact_swap_slots relation relation problem feeling)
 # two SFT runs (all tokens: the reward model's backbone; summary tokens: the policy), one epoch of
@@ -49,8 +49,10 @@ TINY_DPO_FLAGS=(--lr 1e-4 --response_length 32 --local_eval_batch_size 100)
 # TINY_RM_EPOCHS: the Llama-style reward model's eight at 3e-4: at four epochs and 1e-3 it checked the
 # relation in 0.521 and 0.785 of the swaps over two seeds, at four and 3e-4 it checked the relation and
 # not the problem and its PPO gained -0.020, at eight and 3e-4 it checked the relation in 0.979-0.980
-# (there, "Eight reward-model epochs"). The Qwen3-style one keeps four: at eight its PPO gained +0.144,
-# at four +0.536.
+# (there, "Eight reward-model epochs"). The Qwen3-style one too since 2026-12-07: on the pairs that swap
+# the relation in half of the fact swaps, at four epochs it checked the relation in 0.542 of the swaps and
+# PPO gained +0.691, at eight 0.961 and +0.781 (there, "The relation's share of the swapped pairs"; on the
+# pairs before, at eight its PPO gained +0.144 where four gave +0.536, one draw).
 # GPT-NeoX takes Llama's recipe whole (12 tokens per parameter, eight epochs at 3e-4) since 2026-12-05:
 # over seeds 1-3 its reward model then checked the relation in 0.930 / 0.885 / 0.855 of the swaps and PPO
 # gained +1.548 [1.076, 2.019] over SFT; at 3 tokens and four epochs at 1e-3, 0.641 / 0.527 / 0.956 and
@@ -73,7 +75,7 @@ tiny_arch_settings() {
                   BASE_PRETRAIN_POSTS=6000 BASE_COPY_CHECK= ;;
         llama) TINY_PREFIX=llama BASE_MODELS_DIR=models/tiny_llama ARCH_SUFFIX=_llama BASE_BUDGET=12 TINY_RM_LR=3e-4 TINY_RM_EPOCHS=8
                BASE_PRETRAIN_POSTS=18000 BASE_COPY_CHECK="feeling duration" ;;
-        qwen3) TINY_PREFIX=qwen3 BASE_MODELS_DIR=models/tiny_qwen3 ARCH_SUFFIX=_qwen3 BASE_BUDGET=6 TINY_RM_LR=3e-4 TINY_RM_EPOCHS=4
+        qwen3) TINY_PREFIX=qwen3 BASE_MODELS_DIR=models/tiny_qwen3 ARCH_SUFFIX=_qwen3 BASE_BUDGET=6 TINY_RM_LR=3e-4 TINY_RM_EPOCHS=8
                BASE_PRETRAIN_POSTS=6000 BASE_COPY_CHECK= ;;
         *) echo "ARCH: '$1' is none of: gpt_neox llama qwen3" >&2; return 2 ;;
     esac
