@@ -160,10 +160,11 @@ def test_preference_responses_get_eos_only(tiny_datasets, tokenizer):
 
 
 @pytest.mark.parametrize("dataset,split,column,response_column,length", [
-    ("sft", "train", "query_reference_response_token", "reference_response", 192),
-    ("preference", "train", "query_chosen_token", "chosen", 240),
-    ("preference", "train", "query_rejected_token", "rejected", 240),
-    ("preference", "validation_cnndm", "query_chosen_token", "chosen", 400),
+    ("sft", "train", "query_reference_response_token", "reference_response",
+     TINY_TLDR_PARAMS["max_sft_query_response_length"]),
+    ("preference", "train", "query_chosen_token", "chosen", TINY_TLDR_PARAMS["max_rm_query_response_length"]),
+    ("preference", "train", "query_rejected_token", "rejected", TINY_TLDR_PARAMS["max_rm_query_response_length"]),
+    ("preference", "validation_cnndm", "query_chosen_token", "chosen", TINY_CNNDM_PARAMS["max_rm_query_response_length"]),
 ])
 def test_query_response_is_reencoded_with_response_label_mask(tiny_datasets, tokenizer, dataset, split,
                                                               column, response_column, length):
