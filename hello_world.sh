@@ -43,7 +43,7 @@ SEED=${SEED:-1}
 # The embedded default's architecture (tiny_models.py --arch): gpt_neox (Pythia, the paper's), llama
 # (Llama 3.2's layout and tokenizer conventions) or qwen3 (Qwen3's); each in its own folders
 # (tiny_arch_settings in sbatches/tiny_default.sh: where its models live, its pretraining budget and
-# its reward model's learning rate).
+# corpus, the facts its base must copy).
 ARCH=${ARCH:-gpt_neox}
 source sbatches/tiny_default.sh
 # shellcheck source=sbatches/methods.sh
@@ -403,9 +403,8 @@ if [[ $TINY == 1 ]]; then
     # Several epochs of the preference pairs at batch 32: with two, the reward model checks the problem and
     # not the relation, the feeling or the duration, even where the pairs swap them (docs/embedded_default.md,
     # "The reward model checks the facts"); with one, one reward model in three that make compare
-    # trained let PPO state wrong optional facts. The epochs and the learning rate are the
-    # architecture's TINY_RM_EPOCHS and TINY_RM_LR (eight at 3e-4 for every architecture;
-    # sbatches/tiny_default.sh says why). Adam's epsilon is torch's 1e-8, not the
+    # trained let PPO state wrong optional facts. The epochs and the learning rate are TINY_RM_EPOCHS and
+    # TINY_RM_LR (eight at 3e-4, every architecture alike; sbatches/tiny_default.sh says why). Adam's epsilon is torch's 1e-8, not the
     # paper's 1e-5: a tiny model's last-layer gradients are near 1e-5 (tiny-l's median sqrt(v) 1.3e-5
     # to 1.7e-5), so 1e-5 would halve the larger sizes' steps and undo the scaling (docs/scaling.md,
     # "What sets the reward model's accuracy"); Pythia runs keep the paper's 1e-5.

@@ -19,8 +19,20 @@ TINY_DATA_FLAGS=(--seed 1 --num_pretrain_posts 18000 --minimal_pair_fraction 0.6
 # the 6,000 SFT rows each
 TINY_SFT_BATCH=32
 TINY_SFT_FLAGS=(--lr 3e-3 --response_length 32 --local_eval_batch_size 100)
-# the reward model: TINY_RM_EPOCHS epochs of the preference pairs at TINY_RM_LR (the architecture's:
-# tiny_arch_settings below), from the all-tokens SFT, Adam's epsilon 1e-8
+# the reward model: TINY_RM_EPOCHS epochs of the preference pairs at TINY_RM_LR, every architecture
+# alike, from the all-tokens SFT, Adam's epsilon 1e-8
+# TINY_RM_LR, the reward model's learning rate: at 1e-3 the Qwen3-style reward model reached 0.657 and 0.700
+# validation accuracy over two seeds, at 3e-4 0.725-0.732 over three, and ./hello_world.sh's PPO gained
+# +0.536 over SFT instead of +0.083 (docs/real_pipeline.md, "The RMSNorm reward models' learning rate").
+# TINY_RM_EPOCHS: the Llama-style reward model's eight at 3e-4: at four epochs and 1e-3 it checked the
+# relation in 0.521 and 0.785 of the swaps over two seeds, at four and 3e-4 it checked the relation and
+# not the problem and its PPO gained -0.020, at eight and 3e-4 it checked the relation in 0.979-0.980
+# (there, "Eight reward-model epochs"). The Qwen3-style one too since 2026-12-07: on the pairs that swap
+# the relation in half of the fact swaps, at four epochs it checked the relation in 0.542 of the swaps and
+# PPO gained +0.691, at eight 0.961 and +0.781 (there, "The relation's share of the swapped pairs"; on the
+# pairs before, at eight its PPO gained +0.144 where four gave +0.536, one draw).
+TINY_RM_LR=3e-4
+TINY_RM_EPOCHS=8
 TINY_RM_BATCH=32
 TINY_RM_FLAGS=(--eps 1e-8 --local_eval_batch_size 100)
 # PPO: TINY_PPO_UPDATES updates of TINY_PPO_BATCH rollouts in micro-batches of TINY_PPO_MICRO_BATCH;
@@ -37,22 +49,12 @@ TINY_DPO_FLAGS=(--lr 1e-4 --response_length 32 --local_eval_batch_size 100)
 # tiny_arch_settings ARCH: the embedded default's settings that differ by architecture (tiny_models.py
 # --arch): TINY_PREFIX (its base models are $BASE_MODELS_DIR/$TINY_PREFIX-tiny-<size>), BASE_MODELS_DIR,
 # ARCH_SUFFIX (empty for GPT-NeoX, the paper's, else _<arch>: what its runs', models' and datasets' names
-# end in), BASE_BUDGET, BASE_PRETRAIN_POSTS, TINY_RM_LR, TINY_RM_EPOCHS and BASE_COPY_CHECK.
+# end in), BASE_BUDGET, BASE_PRETRAIN_POSTS and BASE_COPY_CHECK.
 # BASE_BUDGET, the base model's pretraining in tokens per parameter: at 3, the policy's SFT
 # on a Llama-style tiny-m named the post's relation right in 0.09 / 0.97 / 0.16 / 0.10 of its summaries
 # over base seeds 1-4 (GPT-NeoX: 1.00), a Qwen3-style one in 0.33 / 1.00 / 1.00 / 0.56; at 6, Llama
 # 0.30 / 1.00 / 1.00 / 1.00 and Qwen3 1.00 on all four; at 12, Llama 1.00 on all four
 # (docs/real_pipeline.md, "What makes the tiny Llama- and Qwen3-style bases copy the facts").
-# TINY_RM_LR, the reward model's learning rate: at 1e-3 the Qwen3-style reward model reached 0.657 and 0.700
-# validation accuracy over two seeds, at 3e-4 0.725-0.732 over three, and ./hello_world.sh's PPO gained
-# +0.536 over SFT instead of +0.083 (docs/real_pipeline.md, "The RMSNorm reward models' learning rate").
-# TINY_RM_EPOCHS: the Llama-style reward model's eight at 3e-4: at four epochs and 1e-3 it checked the
-# relation in 0.521 and 0.785 of the swaps over two seeds, at four and 3e-4 it checked the relation and
-# not the problem and its PPO gained -0.020, at eight and 3e-4 it checked the relation in 0.979-0.980
-# (there, "Eight reward-model epochs"). The Qwen3-style one too since 2026-12-07: on the pairs that swap
-# the relation in half of the fact swaps, at four epochs it checked the relation in 0.542 of the swaps and
-# PPO gained +0.691, at eight 0.961 and +0.781 (there, "The relation's share of the swapped pairs"; on the
-# pairs before, at eight its PPO gained +0.144 where four gave +0.536, one draw).
 # GPT-NeoX takes Llama's recipe whole (12 tokens per parameter, eight epochs at 3e-4) since 2026-12-05:
 # over seeds 1-3 its reward model then checked the relation in 0.930 / 0.885 / 0.855 of the swaps and PPO
 # gained +1.548 [1.076, 2.019] over SFT; at 3 tokens and four epochs at 1e-3, 0.641 / 0.527 / 0.956 and
@@ -71,11 +73,11 @@ TINY_DPO_FLAGS=(--lr 1e-4 --response_length 32 --local_eval_batch_size 100)
 # An unknown ARCH: a message on stderr and status 2.
 tiny_arch_settings() {
     case $1 in
-        gpt_neox) TINY_PREFIX=pythia BASE_MODELS_DIR=models/tiny ARCH_SUFFIX= BASE_BUDGET=12 TINY_RM_LR=3e-4 TINY_RM_EPOCHS=8
+        gpt_neox) TINY_PREFIX=pythia BASE_MODELS_DIR=models/tiny ARCH_SUFFIX= BASE_BUDGET=12
                   BASE_PRETRAIN_POSTS=6000 BASE_COPY_CHECK= ;;
-        llama) TINY_PREFIX=llama BASE_MODELS_DIR=models/tiny_llama ARCH_SUFFIX=_llama BASE_BUDGET=12 TINY_RM_LR=3e-4 TINY_RM_EPOCHS=8
+        llama) TINY_PREFIX=llama BASE_MODELS_DIR=models/tiny_llama ARCH_SUFFIX=_llama BASE_BUDGET=12
                BASE_PRETRAIN_POSTS=18000 BASE_COPY_CHECK="feeling duration" ;;
-        qwen3) TINY_PREFIX=qwen3 BASE_MODELS_DIR=models/tiny_qwen3 ARCH_SUFFIX=_qwen3 BASE_BUDGET=6 TINY_RM_LR=3e-4 TINY_RM_EPOCHS=8
+        qwen3) TINY_PREFIX=qwen3 BASE_MODELS_DIR=models/tiny_qwen3 ARCH_SUFFIX=_qwen3 BASE_BUDGET=6
                BASE_PRETRAIN_POSTS=6000 BASE_COPY_CHECK= ;;
         *) echo "ARCH: '$1' is none of: gpt_neox llama qwen3" >&2; return 2 ;;
     esac
