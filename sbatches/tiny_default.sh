@@ -10,9 +10,9 @@
 # preference pairs of which 60% are minimal pairs, 60% of those a summary against itself with the relation,
 # the problem or the feeling swapped, so that the reward model checks those facts against the post
 # (docs/embedded_default.md, "The reward model checks the facts"). The relation is named twice, so half
-# of the swaps are of the relation: with it named once, GPT-NeoX's reward model of this CPU checked the
-# relation in 0.611 of the swaps (seed 1; 0.613 and 0.677 on seeds 2 and 3), named twice 0.955, 0.885 and
-# 0.949 (docs/real_pipeline.md, "The relation's share of the swapped pairs")
+# of the swaps are of the relation: with it named once, GPT-NeoX's reward model on a 2-core Xeon (family 6,
+# model 207) checked the relation in 0.611 of the swaps (seed 1; 0.613 and 0.677 on seeds 2 and 3), named
+# twice 0.955, 0.885 and 0.949 (docs/real_pipeline.md, "The relation's share of the swapped pairs")
 TINY_DATA_FLAGS=(--seed 1 --num_pretrain_posts 18000 --minimal_pair_fraction 0.6 --fact_swap_fraction 0.6
                  --fact_swap_slots relation relation problem feeling)
 # two SFT runs (all tokens: the reward model's backbone; summary tokens: the policy), one epoch of
