@@ -113,17 +113,6 @@ RAW_DIR=data/raw                  # synthetic raw files in the upstream schemas
 # the stage settings (sbatches/tiny_default.sh, sourced above) are shared with the sbatch chain's TINY=1
 PPO_UPDATES=${PPO_UPDATES:-$TINY_PPO_UPDATES}  # of 64 rollouts (the paper: 1953 of 512; embedded_default.md: why 15)
 DPO_PAIRS=${DPO_PAIRS:-$TINY_DPO_PAIRS}        # DPO's one pass over this many pairs (the reward model takes all)
-# Lengths of the tiny default (the paper: 512 / 53 / 562 / 169 / 638 and 1919 / 155 / 2021).
-TINY_LENGTHS=(
-    --tldr_params.length 160
-    --tldr_params.max_sft_response_length 32
-    --tldr_params.max_sft_query_response_length 192
-    --tldr_params.max_rm_response_length 80
-    --tldr_params.max_rm_query_response_length 240
-    --cnndm_params.length 320
-    --cnndm_params.max_rm_response_length 96
-    --cnndm_params.max_rm_query_response_length 416
-)
 
 if [[ $MODEL == "$BASE_MODELS_DIR"/* ]]; then
     TINY=1

@@ -15,6 +15,19 @@
 # twice 0.955, 0.885 and 0.949 (docs/real_pipeline.md, "The relation's share of the swapped pairs")
 TINY_DATA_FLAGS=(--seed 1 --num_pretrain_posts 18000 --minimal_pair_fraction 0.6 --fact_swap_fraction 0.6
                  --fact_swap_slots relation relation problem feeling)
+# the tokenized datasets' lengths (tldr_dataset.py; the paper: 512 / 53 / 562 / 169 / 638 and 1919 / 155 /
+# 2021): queries short enough for tiny models on a CPU, some synthetic posts long enough to need smart
+# truncation. hello_world.sh's data stage passes them; tests/conftest.py reads them for the tests' datasets
+TINY_LENGTHS=(
+    --tldr_params.length 160
+    --tldr_params.max_sft_response_length 32
+    --tldr_params.max_sft_query_response_length 192
+    --tldr_params.max_rm_response_length 80
+    --tldr_params.max_rm_query_response_length 240
+    --cnndm_params.length 320
+    --cnndm_params.max_rm_response_length 96
+    --cnndm_params.max_rm_query_response_length 416
+)
 # two SFT runs (all tokens: the reward model's backbone; summary tokens: the policy), one epoch of
 # the 6,000 SFT rows each
 TINY_SFT_BATCH=32

@@ -21,11 +21,30 @@ pytest_plugins = ["cpu_seconds", "pytester"]
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
-# Lengths of the tiny default (hello_world.sh passes the same flags): queries are short enough for
-# tiny models on a CPU, and some synthetic posts are long enough to need smart truncation.
-TINY_TLDR_PARAMS = dict(length=160, max_sft_response_length=32, max_sft_query_response_length=192,
-                        max_rm_response_length=80, max_rm_query_response_length=240)
-TINY_CNNDM_PARAMS = dict(length=320, max_rm_response_length=96, max_rm_query_response_length=416)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_default_array(name: str) -> list:
+    """The words of bash array `name` in sbatches/tiny_default.sh (the embedded default's settings)."""
+    script = f'source sbatches/tiny_default.sh; printf "%s\\n" "${{{name}[@]}}"'
+    return subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, check=True, capture_output=True,
+                          text=True).stdout.split()
+
+
+def tiny_lengths() -> tuple:
+    """TINY_LENGTHS, the lengths hello_world.sh's data stage passes, as (tldr_params, cnndm_params)."""
+    params = {"tldr_params": {}, "cnndm_params": {}}
+    words = tiny_default_array("TINY_LENGTHS")
+    for flag, value in zip(words[::2], words[1::2]):
+        group, key = flag.removeprefix("--").split(".")
+        params[group][key] = int(value)
+    assert all(params.values()), f"sbatches/tiny_default.sh: TINY_LENGTHS lacks a group: {words}"
+    return params["tldr_params"], params["cnndm_params"]
+
+
+# the tests' datasets have hello_world's lengths: queries short enough for tiny models on a CPU, some
+# synthetic posts long enough to need smart truncation
+TINY_TLDR_PARAMS, TINY_CNNDM_PARAMS = tiny_lengths()
 
 
 def small_synthetic_args(output_dir: str, seed: int = 1) -> synthetic_tldr.Args:

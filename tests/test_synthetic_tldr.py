@@ -4,16 +4,13 @@ import filecmp
 import json
 import os
 import random
-import subprocess
 
 import pytest
 import tyro
-from conftest import small_synthetic_args
+from conftest import small_synthetic_args, tiny_default_array
 
 from summarize_from_feedback_details import gold_judge
 from summarize_from_feedback_details import synthetic_tldr as st
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def read_jsonl(path):
@@ -321,18 +318,12 @@ def test_summary_wording_does_not_depend_on_the_facts_stated():
         assert full.startswith(clause) and full.endswith(". " + ask) and len(full) > len(no_feeling)
 
 
-def embedded_default_data_flags() -> list:
-    """TINY_DATA_FLAGS of sbatches/tiny_default.sh: the generator flags of hello_world's data."""
-    script = 'source sbatches/tiny_default.sh; printf "%s\\n" "${TINY_DATA_FLAGS[@]}"'
-    return subprocess.run(["bash", "-c", script], cwd=ROOT, check=True, capture_output=True, text=True).stdout.split()
-
-
 @pytest.mark.parametrize("flags", ["generator", "hello_world"])
 def test_default_task_is_honest(tmp_path, flags):
     """The bounds issue 33 sets on the default generator and on hello_world's data (label_stats.json):
     noisy labels (the gold judge agrees with at most 0.90 of them), length alone no predictor (the longer
     summary chosen at most 0.55 of the time), a reference that is good but beatable."""
-    given = embedded_default_data_flags() if flags == "hello_world" else []
+    given = tiny_default_array("TINY_DATA_FLAGS") if flags == "hello_world" else []
     args = tyro.cli(st.Args, args=[*given, "--num_pretrain_posts", "0"])
     stats = st.generate(dataclasses.replace(args, output_dir=str(tmp_path / "raw"), num_sft_train=10,
                                             num_sft_validation=400, num_sft_test=10, num_comparison_train=3000))
@@ -422,7 +413,7 @@ def test_a_fact_named_twice_in_fact_swap_slots_is_swapped_twice_as_often():
     assert abs(doubled["relation"] - 1 / 2) < 0.03
     assert abs(doubled["problem"] - 1 / 4) < 0.03 and abs(doubled["feeling"] - 1 / 4) < 0.03
     assert all(abs(share - 1 / 3) < 0.03 for share in once.values()) and len(once) == 3
-    flags = embedded_default_data_flags()
+    flags = tiny_default_array("TINY_DATA_FLAGS")
     start = flags.index("--fact_swap_slots") + 1
     assert flags[start:start + 4] == ["relation", "relation", "problem", "feeling"]
 
