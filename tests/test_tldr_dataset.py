@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import tyro
-from conftest import FIXTURES, TINY_CNNDM_PARAMS, TINY_TLDR_PARAMS, launched, tiny_dataset_args
+from conftest import FIXTURES, TINY_CNNDM_PARAMS, TINY_TLDR_PARAMS, launched, tiny_dataset_args, tiny_default_array
 from datasets import load_from_disk
 
 from summarize_from_feedback_details import tldr_dataset as td
@@ -679,11 +679,9 @@ def test_local_copy_of_the_parquet_export_builds_the_datasets(tokenizer_dir, tmp
 
 def test_cli_runs_and_reports_bad_input(raw_dir, tokenizer_dir, tmp_path):
     script = os.path.join(REPO, "summarize_from_feedback_details", "tldr_dataset.py")
-    flags = [f"--tldr_params.{k} {v}" for k, v in TINY_TLDR_PARAMS.items()]
-    flags += [f"--cnndm_params.{k} {v}" for k, v in TINY_CNNDM_PARAMS.items()]
     cmd = [sys.executable, script, "--base_model", tokenizer_dir, "--sft_dataset", f"{raw_dir}/tldr_sft",
            "--preference_dataset", f"{raw_dir}/comparisons", "--output_dir", str(tmp_path / "cli")]
-    cmd += " ".join(flags).split()
+    cmd += tiny_default_array("TINY_LENGTHS")  # hello_world.sh's flags as they are
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     bad = copy_raw(raw_dir, tmp_path)
     rewrite_row(os.path.join(bad, "tldr_sft", "train.jsonl"), 4, lambda r: r.update(post=""))
