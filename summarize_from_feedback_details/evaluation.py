@@ -14,7 +14,8 @@ its stage file; how its policy is measured lives here.
 - `fact_swap_pairs` / `swap_preferences`: each validation reference against itself with one fact made
   wrong, and how often a scorer puts the reference first (the report's reward-model rows);
   `fact_copy_row` with a causal LM's likelihood as the scorer (eval/fact_copy.py, and tiny_models.py's
-  check that a base copies the post's facts);
+  check that a base copies the post's facts); `duration_unit_pairs`: the duration's unit swapped instead
+  of its number (eval/fact_copy.py);
 - `generation_rows`: the tables of sft.py and dpo.py (no reward model to score with), sampled by the
   same engine from the same seeds, so that SFT, the baseline of every "minus SFT", is sampled as the
   policies compared with it are.
@@ -33,7 +34,8 @@ from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
 from summarize_from_feedback_details import packing
-from summarize_from_feedback_details.gold_judge import FACT_SWAP_SLOTS, gold_validation_metrics, swap_fact
+from summarize_from_feedback_details.gold_judge import (FACT_SWAP_SLOTS, gold_validation_metrics, swap_duration_unit,
+                                                        swap_fact)
 from summarize_from_feedback_details.rollout import SamplingGroup, decode, derived_seed
 
 EVAL_COLUMNS = ["query_token", "reference_response_token"]
@@ -261,6 +263,14 @@ def fact_swap_pairs(table: pd.DataFrame, references: int = 1000) -> tuple:
     return queries, texts, pairs
 
 
+def duration_unit_pairs(queries: list, texts: list) -> list:
+    """[(row, that reference with its duration in the other unit)] over the references (fact_swap_pairs'
+    queries and texts) that state the post's duration: the swap that fact_swap_pairs' duration, which
+    moves the number, never makes."""
+    swaps = [(row, swap_duration_unit(query, text)) for row, (query, text) in enumerate(zip(queries, texts))]
+    return [(row, swapped) for row, swapped in swaps if swapped is not None]
+
+
 def swap_preferences(score, queries: list, texts: list, pairs: dict) -> dict:
     """Per slot of `pairs` (fact_swap_pairs): how often score(queries, texts) -> array puts a reference
     above its swap (ties count half), over how many pairs, and the mean margin. Each reference is
@@ -295,11 +305,17 @@ def response_logprobs(model, tokenizer, queries: list, responses: list) -> np.nd
     return np.array(sums)
 
 
-def fact_copy_row(model, tokenizer, queries: list, texts: list, pairs: dict) -> dict:
-    """{<slot>: accuracy, <slot>_margin: mean log-likelihood margin} of one model over fact_swap_pairs."""
-    accuracy = swap_preferences(lambda qs, ts: response_logprobs(model, tokenizer, qs, ts), queries, texts, pairs)
+def swap_row(score, queries: list, texts: list, pairs: dict, slots: tuple = FACT_SWAP_SLOTS) -> dict:
+    """{<slot>: accuracy, <slot>_margin: mean margin} of one scorer (swap_preferences) over `pairs`, for
+    each of `slots`: NaN where `pairs` has none."""
+    accuracy = swap_preferences(score, queries, texts, pairs)
     row = {}
-    for slot in FACT_SWAP_SLOTS:
+    for slot in slots:
         entry = accuracy.get(slot, {"accuracy": float("nan"), "margin": float("nan")})
         row[slot], row[f"{slot}_margin"] = entry["accuracy"], entry["margin"]
     return row
+
+
+def fact_copy_row(model, tokenizer, queries: list, texts: list, pairs: dict, slots: tuple = FACT_SWAP_SLOTS) -> dict:
+    """swap_row of one causal LM's log-likelihood margin over fact_swap_pairs (and duration_unit_pairs)."""
+    return swap_row(lambda qs, ts: response_logprobs(model, tokenizer, qs, ts), queries, texts, pairs, slots)

@@ -360,6 +360,27 @@ SUMMARY_FORMS = {"relation": {v: forms for v, (_, forms, _) in RELATIONS.items()
                  "ask": {v: forms for v, (_, forms) in ASKS.items()}, "feeling": FEELINGS}
 
 
+def _stated_duration(post: str, summary: str):
+    """The first match of DURATION_RE in `summary` that states the post's duration (number and unit), or None."""
+    truth = _post_facts(post)["duration"]
+    for match in DURATION_RE.finditer(summary):
+        if (int(match.group(1)), "years" if match.group(2).startswith("y") else "months") in truth:
+            return match
+    return None
+
+
+def swap_duration_unit(post: str, summary: str):
+    """`summary` with the post's duration in the other unit and the same number ("5 months" for "5
+    years"), or None where it does not state the post's duration. swap_fact's duration moves the number
+    only, so a reader blind to the unit passes that check; the gold judge charges either as wrong
+    (eval/fact_copy.py reads both; docs/real_pipeline.md, "The duration's unit")."""
+    match = _stated_duration(post, summary)
+    if match is None:
+        return None
+    other = "months" if match.group(2).startswith("y") else "years"
+    return summary[:match.start(2)] + other + summary[match.end(2):]
+
+
 def swap_fact(rng: random.Random, post: str, summary: str, slot: str):
     """`summary` with its `slot` fact made wrong and nothing else changed: the first form of the post's
     value it states replaced by a form of another value (a duration's number moved by 1 to 3), or None
@@ -367,11 +388,9 @@ def swap_fact(rng: random.Random, post: str, summary: str, slot: str):
     swap checks that fact against the post (hello_world_report's fact-swap rows)."""
     truth = _post_facts(post)[slot]
     if slot == "duration":
-        for match in DURATION_RE.finditer(summary):
-            unit = "years" if match.group(2).startswith("y") else "months"
-            if (int(match.group(1)), unit) in truth:
-                return f"{summary[:match.start(1)]}{int(match.group(1)) + rng.choice([1, 2, 3])}{summary[match.end(1):]}"
-        return None
+        match = _stated_duration(post, summary)
+        return None if match is None else (
+            f"{summary[:match.start(1)]}{int(match.group(1)) + rng.choice([1, 2, 3])}{summary[match.end(1):]}")
     forms = SUMMARY_FORMS[slot]
     for value in sorted(truth):
         for obj in ("him", "her", "them") if slot == "ask" else ("",):

@@ -3,6 +3,7 @@ answers from a model that reads nothing (uniform next tokens) and from the gold 
 
 import os
 import sys
+import types
 
 import numpy as np
 import pandas as pd
@@ -52,15 +53,37 @@ def test_a_model_that_reads_nothing_prefers_the_shorter_of_each_pair(tmp_path, t
     hook.remove()
     assert grad_enabled == [False]
     queries, texts, pairs = fact_swap_pairs(pd.read_csv(table))
+    pairs["duration_unit"] = evaluation.duration_unit_pairs(queries, texts)
     for slot, swaps in pairs.items():
         # log p(reference) - log p(swap) = (swap's tokens - reference's tokens) x log V
         margins = [(length(swapped) - length(texts[row])) * log_vocabulary for row, swapped in swaps]
         expected = np.mean([(m > 0) + 0.5 * (m == 0) for m in margins])
         assert out[slot][0] == round(expected, 3) and abs(out[f"{slot}_margin"][0] - np.mean(margins)) < 1e-3, slot
     assert {slot: len(swaps) for slot, swaps in pairs.items()} == {
-        "relation": 3, "problem": 3, "ask": 1, "duration": 1, "feeling": 2}
+        "relation": 3, "problem": 3, "ask": 1, "duration": 1, "feeling": 2, "duration_unit": 1}
+    assert pairs["duration_unit"] == [(0, GOOD.replace("3 years", "3 months").replace("<|endoftext|>", ""))]
     written = pd.read_csv(tmp_path / "out" / "fact_copy.csv")
     assert list(written["model"]) == [model] and written["feeling"][0] == out["feeling"][0]
+    assert list(written["kind"]) == ["causal LM"]
+
+
+def test_reward_models_read_the_same_pairs_and_the_unit_swap_finds_one_blind_to_the_unit(tmp_path, monkeypatch):
+    """--reward_models: each scores the pairs as hello_world's table does. A scorer that reads every duration
+    in years (blind to the unit) passes the duration's fact swap (its number moved) and ties on the
+    unit swap; the gold judge checks both."""
+    table = tmp_path / "validation_table.csv"
+    pd.DataFrame({"query": [POST] * 3, "reference_responses": REFERENCES}).to_csv(table, index=False)
+    scorers = {"gold": gold_score, "unit_blind": lambda q, t: gold_score(q, t.replace("months", "years"))}
+    loaded = types.SimpleNamespace(from_pretrained=lambda path: types.SimpleNamespace(eval=lambda: path))
+    monkeypatch.setattr(fact_copy, "AutoModelForSequenceClassification", loaded)
+    monkeypatch.setattr(fact_copy, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(fact_copy, "reward_scores", lambda model, tokenizer, qs, ts, eos: np.array(
+        [scorers[model](q, t) for q, t in zip(qs, ts)]))
+    out = fact_copy.main(fact_copy.Args(table=str(table), models=[], reward_models=list(scorers),
+                                        out=str(tmp_path / "out")))
+    assert list(out["kind"]) == ["reward model"] * 2
+    assert all(out[slot][0] == 1.0 for slot in fact_copy.SLOTS)  # the gold judge
+    assert out["duration"][1] == 1.0 and out["duration_unit"][1] == 0.5 and out["duration_unit_margin"][1] == 0
 
 
 def test_a_scorer_that_checks_every_fact_prefers_every_reference(monkeypatch):

@@ -10,6 +10,7 @@ import tyro
 from conftest import small_synthetic_args, tiny_default_array
 
 from summarize_from_feedback_details import gold_judge
+from summarize_from_feedback_details.gold_judge import swap_duration_unit
 from summarize_from_feedback_details import synthetic_tldr as st
 
 
@@ -479,6 +480,30 @@ def test_a_fact_swap_makes_that_fact_wrong_and_changes_nothing_else():
     wrong = " my landlord plays loud music."  # the post's relation is not a landlord
     post = "POST: my roommate (27M) plays loud music every night."
     assert st.swap_fact(random.Random(0), post, wrong, "relation") is None
+
+
+def test_a_duration_unit_swap_keeps_the_number_and_costs_the_gold_judge():
+    """swap_duration_unit states the post's duration in the other unit: the same number, every other
+    slot as before, 2.5 or more off the gold judge; None where the summary does not state the post's
+    duration (swap_fact's duration moves the number, so only this swap finds a reader blind to the unit)."""
+    rng, swapped = random.Random(3), 0
+    for _ in range(300):
+        facts = st._sample_facts(rng, rng.choice(sorted(st.SUBREDDITS)))
+        _, post = st.make_post(rng, facts, False)
+        summary = " " + st.summarize(rng, facts, {slot for slot in st.OPTIONAL_FACTS if rng.random() < 0.5})
+        stated, edited = st.extract_facts(summary), swap_duration_unit(post, summary)
+        if not stated["duration"]:
+            assert edited is None
+            continue
+        swapped += 1
+        after = st.extract_facts(edited)
+        ((number, unit),) = stated["duration"]
+        assert list(after["duration"]) == [(number, "months" if unit == "years" else "years")], (summary, edited)
+        assert all(after[other] == stated[other] for other in st.FACT_SWAP_SLOTS if other != "duration")
+        assert st.gold_score(post, summary) - st.gold_score(post, edited) >= 2.5
+    assert swapped > 50
+    assert swap_duration_unit("POST: my roommate (27M) and I have lived together for 3 years.",
+                              " my roommate of 4 years snores.") is None  # (states another duration)
 
 
 def test_data_of_other_arguments_is_named_not_kept(tmp_path):
