@@ -31,7 +31,7 @@ from transformers import AutoModelForSequenceClassification
 
 from summarize_from_feedback_details.gold_judge import FACT_SWAP_SLOTS
 from summarize_from_feedback_details.evaluation import (duration_unit_pairs, fact_copy_row, fact_swap_pairs,
-                                                        reward_scores, swap_row)
+                                                        reward_swap_row)
 from summarize_from_feedback_details.infra.loading import load_policy, load_tokenizer
 
 SLOTS = (*FACT_SWAP_SLOTS, "duration_unit")
@@ -60,10 +60,9 @@ def main(args: Args) -> pd.DataFrame:
             tokenizer = load_tokenizer(path)
             if kind == "causal LM":
                 row = fact_copy_row(load_policy(path, tokenizer).eval(), tokenizer, queries, texts, pairs, SLOTS)
-            else:  # (the saved reward offset, if any, shifts both sides of a pair alike)
+            else:
                 model = AutoModelForSequenceClassification.from_pretrained(path).eval()
-                row = swap_row(lambda qs, ts: reward_scores(model, tokenizer, qs, ts, [True] * len(ts)),  # noqa: B023
-                               queries, texts, pairs, SLOTS)
+                row = reward_swap_row(model, tokenizer, queries, texts, pairs, SLOTS)
             rows.append({"model": path, "kind": kind, **row})
             print(path, " ".join(f"{slot} {rows[-1][slot]:.3f}" for slot in SLOTS), flush=True)
     table = pd.DataFrame(rows).round(3)

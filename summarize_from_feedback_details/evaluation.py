@@ -319,3 +319,11 @@ def swap_row(score, queries: list, texts: list, pairs: dict, slots: tuple = FACT
 def fact_copy_row(model, tokenizer, queries: list, texts: list, pairs: dict, slots: tuple = FACT_SWAP_SLOTS) -> dict:
     """swap_row of one causal LM's log-likelihood margin over fact_swap_pairs (and duration_unit_pairs)."""
     return swap_row(lambda qs, ts: response_logprobs(model, tokenizer, qs, ts), queries, texts, pairs, slots)
+
+
+def reward_swap_row(reward_model, tokenizer, queries: list, texts: list, pairs: dict,
+                    slots: tuple = FACT_SWAP_SLOTS) -> dict:
+    """swap_row of one reward model's score margin (reward_scores, each text read as ended) over the same
+    pairs; a saved reward offset shifts both sides of a pair alike."""
+    return swap_row(lambda qs, ts: reward_scores(reward_model, tokenizer, qs, ts, [True] * len(ts)), queries, texts,
+                    pairs, slots)

@@ -386,11 +386,11 @@ def swap_fact(rng: random.Random, post: str, summary: str, slot: str):
     value it states replaced by a form of another value (a duration's number moved by 1 to 3), or None
     where the summary does not state the post's value. A reward model that prefers the summary to its
     swap checks that fact against the post (hello_world_report's fact-swap rows)."""
-    truth = _post_facts(post)[slot]
     if slot == "duration":
         match = _stated_duration(post, summary)
         return None if match is None else (
             f"{summary[:match.start(1)]}{int(match.group(1)) + rng.choice([1, 2, 3])}{summary[match.end(1):]}")
+    truth = _post_facts(post)[slot]
     forms = SUMMARY_FORMS[slot]
     for value in sorted(truth):
         for obj in ("him", "her", "them") if slot == "ask" else ("",):

@@ -77,7 +77,7 @@ def test_reward_models_read_the_same_pairs_and_the_unit_swap_finds_one_blind_to_
     loaded = types.SimpleNamespace(from_pretrained=lambda path: types.SimpleNamespace(eval=lambda: path))
     monkeypatch.setattr(fact_copy, "AutoModelForSequenceClassification", loaded)
     monkeypatch.setattr(fact_copy, "load_tokenizer", lambda path: None)
-    monkeypatch.setattr(fact_copy, "reward_scores", lambda model, tokenizer, qs, ts, eos: np.array(
+    monkeypatch.setattr(evaluation, "reward_scores", lambda model, tokenizer, qs, ts, eos: np.array(
         [scorers[model](q, t) for q, t in zip(qs, ts)]))
     out = fact_copy.main(fact_copy.Args(table=str(table), models=[], reward_models=list(scorers),
                                         out=str(tmp_path / "out")))
