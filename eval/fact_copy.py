@@ -13,7 +13,7 @@ For the first --references validation references of --table (a stage's validatio
 tokens. A model that cannot copy a slot from the post sits near 0.5 on it (margin near 0): a policy
 from it that learns to state that fact states a random value, which the gold judge charges 2.5 or
 more, unless the reward model checks the slot (docs/real_pipeline.md: the feeling).
-`duration_unit`: the duration with its unit swapped and its number kept (evaluation.duration_unit_pairs),
+`duration_unit`: the duration with its unit swapped and its number kept (evaluation.fact_probe_pairs),
 which the fact-swap pairs' duration (its number moved) never checks (docs/real_pipeline.md, "The
 duration's unit"). A reward model (--reward_models) checks a slot where it scores the reference above
 its swap, as in hello_world's table.
@@ -29,12 +29,8 @@ import tyro
 from common import write_table
 from transformers import AutoModelForSequenceClassification
 
-from summarize_from_feedback_details.gold_judge import FACT_SWAP_SLOTS
-from summarize_from_feedback_details.evaluation import (duration_unit_pairs, fact_copy_row, fact_swap_pairs,
-                                                        reward_swap_row)
+from summarize_from_feedback_details.evaluation import PROBE_SLOTS, fact_copy_row, fact_probe_pairs, reward_swap_row
 from summarize_from_feedback_details.infra.loading import load_policy, load_tokenizer
-
-SLOTS = (*FACT_SWAP_SLOTS, "duration_unit")
 
 
 @dataclass
@@ -52,22 +48,21 @@ class Args:
 
 
 def main(args: Args) -> pd.DataFrame:
-    queries, texts, pairs = fact_swap_pairs(pd.read_csv(args.table), args.references)
-    pairs = {**pairs, "duration_unit": duration_unit_pairs(queries, texts)}
+    queries, texts, pairs = fact_probe_pairs(pd.read_csv(args.table), args.references)
     rows = []
     for kind, paths in (("causal LM", args.models), ("reward model", args.reward_models)):
         for path in paths:
             tokenizer = load_tokenizer(path)
             if kind == "causal LM":
-                row = fact_copy_row(load_policy(path, tokenizer).eval(), tokenizer, queries, texts, pairs, SLOTS)
+                row = fact_copy_row(load_policy(path, tokenizer).eval(), tokenizer, queries, texts, pairs, PROBE_SLOTS)
             else:
                 model = AutoModelForSequenceClassification.from_pretrained(path).eval()
-                row = reward_swap_row(model, tokenizer, queries, texts, pairs, SLOTS)
+                row = reward_swap_row(model, tokenizer, queries, texts, pairs, PROBE_SLOTS)
             rows.append({"model": path, "kind": kind, **row})
-            print(path, " ".join(f"{slot} {rows[-1][slot]:.3f}" for slot in SLOTS), flush=True)
+            print(path, " ".join(f"{slot} {rows[-1][slot]:.3f}" for slot in PROBE_SLOTS), flush=True)
     table = pd.DataFrame(rows).round(3)
     write_table(table, args.out, "fact_copy")
-    counts = ", ".join(f"{slot} {len(pairs[slot])}" for slot in SLOTS)
+    counts = ", ".join(f"{slot} {len(pairs[slot])}" for slot in PROBE_SLOTS)
     print(f"pairs: {counts}; wrote {args.out}/fact_copy.{{csv,md}}")
     return table
 

@@ -15,7 +15,8 @@ its stage file; how its policy is measured lives here.
   wrong, and how often a scorer puts the reference first (the report's reward-model rows);
   `fact_copy_row` with a causal LM's likelihood as the scorer (eval/fact_copy.py, and tiny_models.py's
   check that a base copies the post's facts); `duration_unit_pairs`: the duration's unit swapped instead
-  of its number (eval/fact_copy.py);
+  of its number; `fact_probe_pairs`: both kinds, the pairs hello_world's table and eval/fact_copy.py read
+  (`reward_scorer`, `reward_swap_row`: a reward model as the scorer);
 - `generation_rows`: the tables of sft.py and dpo.py (no reward model to score with), sampled by the
   same engine from the same seeds, so that SFT, the baseline of every "minus SFT", is sampled as the
   policies compared with it are.
@@ -37,6 +38,9 @@ from summarize_from_feedback_details import packing
 from summarize_from_feedback_details.gold_judge import (FACT_SWAP_SLOTS, gold_validation_metrics, swap_duration_unit,
                                                         swap_fact)
 from summarize_from_feedback_details.rollout import SamplingGroup, decode, derived_seed
+
+# the slots of fact_probe_pairs: FACT_SWAP_SLOTS with the duration's unit beside its number
+PROBE_SLOTS = ("relation", "problem", "ask", "duration", "duration_unit", "feeling")
 
 EVAL_COLUMNS = ["query_token", "reference_response_token"]
 # contain_eos: whether the policy ended the response (a response without an EOS ran out of tokens, and
@@ -271,6 +275,15 @@ def duration_unit_pairs(queries: list, texts: list) -> list:
     return [(row, swapped) for row, swapped in swaps if swapped is not None]
 
 
+def fact_probe_pairs(table: pd.DataFrame, references: int = 1000) -> tuple:
+    """fact_swap_pairs with the duration's unit as a sixth slot, `duration_unit` (duration_unit_pairs):
+    the pairs a model is read on in hello_world's table and eval/fact_copy.py (PROBE_SLOTS). tiny_models'
+    copy check reads fact_swap_pairs alone: the slots it checks are FACT_SWAP_SLOTS'."""
+    queries, texts, pairs = fact_swap_pairs(table, references)
+    pairs["duration_unit"] = duration_unit_pairs(queries, texts)
+    return queries, texts, {slot: pairs[slot] for slot in PROBE_SLOTS}
+
+
 def swap_preferences(score, queries: list, texts: list, pairs: dict) -> dict:
     """Per slot of `pairs` (fact_swap_pairs): how often score(queries, texts) -> array puts a reference
     above its swap (ties count half), over how many pairs, and the mean margin. Each reference is
@@ -321,9 +334,13 @@ def fact_copy_row(model, tokenizer, queries: list, texts: list, pairs: dict, slo
     return swap_row(lambda qs, ts: response_logprobs(model, tokenizer, qs, ts), queries, texts, pairs, slots)
 
 
+def reward_scorer(reward_model, tokenizer):
+    """score(queries, texts) -> array of one reward model, each text read as ended (reward_scores): the
+    scorer swap_preferences takes; a saved reward offset shifts both sides of a pair alike."""
+    return lambda queries, texts: reward_scores(reward_model, tokenizer, queries, texts, [True] * len(texts))
+
+
 def reward_swap_row(reward_model, tokenizer, queries: list, texts: list, pairs: dict,
                     slots: tuple = FACT_SWAP_SLOTS) -> dict:
-    """swap_row of one reward model's score margin (reward_scores, each text read as ended) over the same
-    pairs; a saved reward offset shifts both sides of a pair alike."""
-    return swap_row(lambda qs, ts: reward_scores(reward_model, tokenizer, qs, ts, [True] * len(ts)), queries, texts,
-                    pairs, slots)
+    """swap_row of one reward model's score margin (reward_scorer) over the same pairs."""
+    return swap_row(reward_scorer(reward_model, tokenizer), queries, texts, pairs, slots)

@@ -7,8 +7,9 @@ eval tables and the policies' validation tables with the synthetic task's gold j
 default only; real data needs the chat judge of eval/rlhf_scaling_plot.py), and scores the SFT,
 PPO and DPO summaries (and those of RLOO, GRPO, online DPO and the PPO control with ALGOS=all) with
 the same reward model. On the embedded default it also probes which facts the reward model checks:
-per slot (relation, problem, ask, duration, feeling), how often it prefers a validation reference to
-the same reference with that one fact swapped for a wrong one (`fact_swap_accuracy`). Per policy, in
+per slot (relation, problem, ask, duration, feeling, and the duration's unit beside its number), how
+often it prefers a validation reference to the same reference with that one fact swapped for a wrong one
+(`fact_swap_accuracy`). Per policy, in
 this order:
 - the headline (DESIGN.md section 6), every policy but SFT: its mean gold score minus SFT's, paired
   per prompt (the same validation prompt's two summaries; win_rates.paired_comparison), with its 95%
@@ -34,7 +35,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from summarize_from_feedback_details import win_rates
-from summarize_from_feedback_details.evaluation import (fact_swap_pairs, reward_scores, swap_preferences,
+from summarize_from_feedback_details.evaluation import (fact_probe_pairs, reward_scorer, swap_preferences,
                                                         table_reward_scores)
 from summarize_from_feedback_details.infra.tracking import last_metrics, metric_history
 from summarize_from_feedback_details.methods import METHODS
@@ -45,6 +46,8 @@ from summarize_from_feedback_details.gold_judge import gold_preference, gold_sco
 # rows (methods.tsv); the control is PPO against a reward model that knows nothing: it must not beat SFT
 DPO_AND_ONLINE_METHODS = tuple((method.label, method.run) for method in METHODS)
 JSON_NAME = "hello_world_report.json"
+# the fact-swap rows' names where the slot's key does not say it
+SLOT_NAMES = {"duration": "duration number", "duration_unit": "duration unit"}
 
 
 @dataclass
@@ -64,10 +67,10 @@ class Args:
 def fact_swap_accuracy(reward_model, tokenizer, table: pd.DataFrame, references: int = 1000) -> dict:
     """Per slot of the synthetic task: how often the reward model prefers a validation reference (the
     first `references` of SFT's validation table) to the same reference with that one fact made wrong
-    (fact_swap_pairs), with the mean score margin (swap_preferences). A reward model blind to a slot
-    sits near 0.5 on it, and a policy trained against it is free to get that fact wrong."""
-    score = lambda queries, texts: reward_scores(reward_model, tokenizer, queries, texts, [True] * len(texts))  # noqa: E731
-    return swap_preferences(score, *fact_swap_pairs(table, references))
+    (fact_probe_pairs: the duration's number moved, and apart from it its unit swapped), with the mean score
+    margin (swap_preferences). A reward model blind to a slot sits near 0.5 on it, and a policy trained
+    against it is free to get that fact wrong (docs/real_pipeline.md, "The duration's unit")."""
+    return swap_preferences(reward_scorer(reward_model, tokenizer), *fact_probe_pairs(table, references))
 
 
 def policy_summary(table: pd.DataFrame, reward_model, tokenizer) -> dict:
@@ -241,7 +244,7 @@ def sections(numbers: dict, args: Args) -> list:
                 stages.append((f"{what} agreement with the gold judge, {SPLIT_NAMES[split]}",
                                f"{entry['gold_agreement']:.3f}"))
     for slot, entry in numbers.get("fact_swaps", {}).items():
-        stages.append((f"RM fact-swap accuracy, {slot} ({entry['pairs']} references)",
+        stages.append((f"RM fact-swap accuracy, {SLOT_NAMES.get(slot, slot)} ({entry['pairs']} references)",
                        f"{entry['accuracy']:.3f} (margin {entry['margin']:+.3f})"))
     where = []
     if "models" in numbers:

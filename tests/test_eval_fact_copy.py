@@ -52,8 +52,7 @@ def test_a_model_that_reads_nothing_prefers_the_shorter_of_each_pair(tmp_path, t
     evaluation.response_logprobs(loaded, tokenizer, [POST], REFERENCES[:1])
     hook.remove()
     assert grad_enabled == [False]
-    queries, texts, pairs = fact_swap_pairs(pd.read_csv(table))
-    pairs["duration_unit"] = evaluation.duration_unit_pairs(queries, texts)
+    queries, texts, pairs = evaluation.fact_probe_pairs(pd.read_csv(table))
     for slot, swaps in pairs.items():
         # log p(reference) - log p(swap) = (swap's tokens - reference's tokens) x log V
         margins = [(length(swapped) - length(texts[row])) * log_vocabulary for row, swapped in swaps]
@@ -82,7 +81,7 @@ def test_reward_models_read_the_same_pairs_and_the_unit_swap_finds_one_blind_to_
     out = fact_copy.main(fact_copy.Args(table=str(table), models=[], reward_models=list(scorers),
                                         out=str(tmp_path / "out")))
     assert list(out["kind"]) == ["reward model"] * 2
-    assert all(out[slot][0] == 1.0 for slot in fact_copy.SLOTS)  # the gold judge
+    assert all(out[slot][0] == 1.0 for slot in evaluation.PROBE_SLOTS)  # the gold judge
     assert out["duration"][1] == 1.0 and out["duration_unit"][1] == 0.5 and out["duration_unit_margin"][1] == 0
 
 

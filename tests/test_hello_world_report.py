@@ -133,21 +133,32 @@ def test_policy_rows_score_both_policies_the_same_way(tmp_path, tokenizer_dir, t
 
 def test_fact_swap_accuracy_known_answers(monkeypatch):
     """A scorer that is the gold judge prefers every reference to its swaps (1.0 on each slot the
-    references state); a scorer blind to the facts ties every pair (0.5, ties half); the slots a
-    reference leaves out get no pairs."""
+    references state, the duration's unit included); a scorer blind to the facts ties every pair (0.5,
+    ties half); a scorer that reads the duration's number and not its unit passes the duration's row and
+    ties the unit's; the slots a reference leaves out get no pairs."""
     from summarize_from_feedback_details.synthetic_tldr import gold_score
 
     table = pd.DataFrame({"query": [POST] * 3, "reference_responses": [GOOD.replace("<|endoftext|>", ""),
                                                                        " my roommate has not paid rent.",
                                                                        " roommate owes rent, I am angry."]})
     gold = lambda model, tokenizer, queries, texts, eos: np.array([gold_score(q, t) for q, t in zip(queries, texts)])
-    monkeypatch.setattr(report, "reward_scores", gold)
+    monkeypatch.setattr(evaluation, "reward_scores", gold)
     accuracy = report.fact_swap_accuracy(None, None, table)
-    assert {slot: entry["pairs"] for slot, entry in accuracy.items()} == {
-        "relation": 3, "problem": 3, "ask": 1, "duration": 1, "feeling": 2}
+    assert [(slot, entry["pairs"]) for slot, entry in accuracy.items()] == [
+        ("relation", 3), ("problem", 3), ("ask", 1), ("duration", 1), ("duration_unit", 1), ("feeling", 2)]
     assert all(entry["accuracy"] == 1.0 and entry["margin"] >= 2.5 for entry in accuracy.values())
-    monkeypatch.setattr(report, "reward_scores", lambda model, tokenizer, queries, texts, eos: np.zeros(len(texts)))
+    monkeypatch.setattr(evaluation, "reward_scores", lambda model, tokenizer, queries, texts, eos: np.zeros(len(texts)))
     assert {entry["accuracy"] for entry in report.fact_swap_accuracy(None, None, table).values()} == {0.5}
+    # "3 years" right, any other number wrong, the unit unread
+    number_only = lambda model, tokenizer, queries, texts, eos: np.array(
+        [-float(" of 3 " not in t) for t in texts])
+    monkeypatch.setattr(evaluation, "reward_scores", number_only)
+    accuracy = report.fact_swap_accuracy(None, None, table)
+    assert (accuracy["duration"]["accuracy"], accuracy["duration_unit"]["accuracy"]) == (1.0, 0.5)
+    rows = dict(row for section in report.sections({"fact_swaps": accuracy, "accuracy": {}, "policies": {}},
+                                                    report.Args()) for row in section)
+    assert rows["RM fact-swap accuracy, duration number (1 references)"] == "1.000 (margin +1.000)"
+    assert rows["RM fact-swap accuracy, duration unit (1 references)"] == "0.500 (margin +0.000)"
 
 
 def test_a_response_the_policy_did_not_end_is_scored_at_its_last_token(tmp_path, tokenizer_dir, tokenizer):
