@@ -83,6 +83,11 @@ class Args:
     fact_swap_slots: tuple[str, ...] = ("relation",)
     """the facts `fact_swap_fraction`'s pairs swap, one drawn per pair (of relation, problem, ask, duration,
     feeling), each entry equally likely: a fact named twice is swapped twice as often as one named once"""
+    wrong_unit_fraction: float = 0.0
+    """of the comparisons' wrong durations, the share that states the post's number in the other unit ("5
+    months" for 5 years) instead of moving the number, so that a reward model sees wrong units
+    (docs/real_pipeline.md, "The duration's unit"); 0 draws nothing for it (the default data unchanged);
+    the SFT and pretraining posts are the same either way"""
     num_pretrain_posts: int = 0
     """posts of their own random stream in pretrain/train.jsonl, each ending in its author's TL;DR that states
     every fact: text for the base models to pretrain on besides the SFT posts (tiny_models --extra_corpus), as a
@@ -245,17 +250,22 @@ def reference_summary(rng: random.Random, facts: dict, news: bool = False) -> st
     return summarize(rng, facts, include, news)
 
 
-def wrong_value(rng: random.Random, facts: dict, slot: str):
-    """Another value of `slot` than the post's: what a summary that gets this fact wrong states."""
+def wrong_value(rng: random.Random, facts: dict, slot: str, wrong_unit: float = 0.0):
+    """Another value of `slot` than the post's: what a summary that gets this fact wrong states. A wrong
+    duration moves the number by 1 to 3, or, with probability `wrong_unit`, keeps it in the other unit."""
     if slot == "duration":
         n, unit = facts["duration"]
+        # (no draw at 0: the default data stays what it was)
+        if wrong_unit > 0 and rng.random() < wrong_unit:
+            return (n, "months" if unit == "years" else "years")
         return (n + rng.choice([1, 2, 3]), unit)
     values = {"relation": RELATIONS, "problem": set(PROBLEMS) - {"ex"}, "ask": ASKS, "feeling": FEELINGS}[slot]
     return rng.choice(sorted(set(values) - {facts[slot]}))
 
 
 def minimal_pair(rng: random.Random, facts: dict, news: bool = False, omit_vs_wrong: float = 0.0,
-                 optional_focus: float = 0.0, fact_swap: float = 0.0, swap_slots: tuple = ("relation",)) -> list:
+                 optional_focus: float = 0.0, fact_swap: float = 0.0, swap_slots: tuple = ("relation",),
+                 wrong_unit: float = 0.0) -> list:
     """Two summaries in the same words but for one fact: [(policy, text, note)] of a summary and its
     edit, which states one of its facts wrong (`min_wrong`) or leaves an optional one out
     (`min_omit`). Such pairs isolate what a fact is worth, so a reward model can learn to check a
@@ -263,7 +273,8 @@ def minimal_pair(rng: random.Random, facts: dict, news: bool = False, omit_vs_wr
     `omit_vs_wrong` > 0, that share of the pairs whose fact is optional sets the two edits against
     each other instead: the summary without the fact against the one that states it wrong. With
     `optional_focus` > 0, that share of the pairs that state an optional fact edit one of those. With
-    `fact_swap` > 0, that share of the pairs states one of `swap_slots` wrong (stated in both summaries)."""
+    `fact_swap` > 0, that share of the pairs states one of `swap_slots` wrong (stated in both summaries).
+    A wrong duration is in the other unit with probability `wrong_unit` (wrong_value)."""
     include = {slot for slot in OPTIONAL_FACTS if rng.random() < 0.5}
     # (no draw at 0: the default data stays what it was)
     swap = fact_swap > 0 and rng.random() < fact_swap
@@ -281,7 +292,7 @@ def minimal_pair(rng: random.Random, facts: dict, news: bool = False, omit_vs_wr
     if omit:
         edited_include.discard(slot)
     else:
-        edited_facts[slot] = wrong_value(rng, facts, slot)
+        edited_facts[slot] = wrong_value(rng, facts, slot, wrong_unit)
     style = rng.random()
     edited = summarize(random.Random(style), edited_facts, edited_include, news)
     if contrast:
@@ -291,7 +302,8 @@ def minimal_pair(rng: random.Random, facts: dict, news: bool = False, omit_vs_wr
     return [("min_base", text, None), ("min_omit" if omit else "min_wrong", edited, f"{'without' if omit else 'wrong'} {slot}")]
 
 
-def policy_summary(rng: random.Random, policy: str, facts: dict, reference: str, news: bool = False) -> str:
+def policy_summary(rng: random.Random, policy: str, facts: dict, reference: str, news: bool = False,
+                   wrong_unit: float = 0.0) -> str:
     everything = {"ask", "duration", "feeling"}
     if policy == "ref":
         return reference
@@ -302,7 +314,7 @@ def policy_summary(rng: random.Random, policy: str, facts: dict, reference: str,
     if policy == "sup_wrong":
         wrong = dict(facts)
         slot = rng.choice(["relation", "problem", "duration", "ask"])
-        wrong[slot] = wrong_value(rng, facts, slot)
+        wrong[slot] = wrong_value(rng, facts, slot, wrong_unit)
         return summarize(rng, wrong, everything, news)
     if policy == "sup_filler":
         extra = " ".join(_filler_sentence(rng).lower() for _ in range(rng.randint(1, 2)))
@@ -410,13 +422,13 @@ def generate_comparisons(rng: random.Random, split: str, count: int, news: bool,
         for _ in range(rng.choice([1, 2, 2, 3])):
             if rng.random() < args.minimal_pair_fraction:
                 pair = minimal_pair(rng, facts, news, args.omit_vs_wrong_fraction, args.optional_fact_focus,
-                                    args.fact_swap_fraction, args.fact_swap_slots)
+                                    args.fact_swap_fraction, args.fact_swap_slots, args.wrong_unit_fraction)
                 rng.shuffle(pair)
             else:
                 pair = []
                 while len(pair) < 2:
                     policy = rng.choices(policies, weights)[0]
-                    text_ = policy_summary(rng, policy, facts, reference, news)
+                    text_ = policy_summary(rng, policy, facts, reference, news, args.wrong_unit_fraction)
                     if not pair or (policy != pair[0][0] and text_ != pair[0][1]):
                         pair.append((policy, text_, None))
             # upstream summaries start with a space (DESIGN 5: only EOS is appended later)

@@ -506,6 +506,47 @@ def test_a_duration_unit_swap_keeps_the_number_and_costs_the_gold_judge():
                               " my roommate of 4 years snores.") is None  # (states another duration)
 
 
+def test_wrong_unit_fraction_states_the_posts_number_in_the_other_unit(tmp_path):
+    """--wrong_unit_fraction: of the comparisons' wrong durations, that share states the post's number in the
+    other unit (the gold judge charging it as any wrong duration), the rest a moved number in the post's unit;
+    at 0 (the default) nothing is drawn for it, so the comparisons are the default's; the SFT and pretraining
+    posts are the same at any share."""
+    def wrong_durations(share, seeds=range(300)):
+        kinds = collections.Counter()
+        for seed in seeds:
+            rng, facts, post = _example(seed)
+            for (_, text, _), (_, edited, note) in [st.minimal_pair(rng, facts, fact_swap=1.0, swap_slots=("duration",),
+                                                                    wrong_unit=share)]:
+                ((number, unit),), ((wrong_number, wrong_unit),) = (st.extract_facts(text)["duration"],
+                                                                    st.extract_facts(edited)["duration"])
+                assert note == "wrong duration" and st.gold_score(post, " " + text) - st.gold_score(post, " " + edited) >= 2.5
+                assert (wrong_number == number) != (wrong_unit == unit), (text, edited)  # one part wrong, not both
+                kinds["unit" if wrong_number == number else "number"] += 1
+        return kinds
+
+    assert wrong_durations(1.0) == {"unit": 300} and wrong_durations(0.0) == {"number": 300}
+    assert 0.4 < wrong_durations(0.5)["unit"] / 300 < 0.6
+    for seed in range(50):  # 0 draws nothing: the pairs of the default, draw for draw
+        assert st.minimal_pair(*_example(seed)[:2], fact_swap=0.6) == st.minimal_pair(
+            *_example(seed)[:2], fact_swap=0.6, wrong_unit=0.0)
+    default, units = str(tmp_path / "default"), str(tmp_path / "units")
+    st.generate(dataclasses.replace(small_synthetic_args(default), num_pretrain_posts=20, minimal_pair_fraction=0.6))
+    st.generate(dataclasses.replace(small_synthetic_args(units), num_pretrain_posts=20, minimal_pair_fraction=0.6,
+                                    wrong_unit_fraction=0.5))
+    same = ["tldr_sft/train.jsonl", "tldr_sft/validation.jsonl", "tldr_sft/test.jsonl", "pretrain/train.jsonl"]
+    assert filecmp.cmpfiles(default, units, same, shallow=False)[0] == same
+
+    def wrong_units(folder):
+        count = 0
+        for row in read_jsonl(os.path.join(folder, "comparisons", "train.jsonl")):
+            (number, unit), = st.extract_facts(row["info"]["post"])["duration"]
+            other = (number, "months" if unit == "years" else "years")
+            count += sum(other in st.extract_facts(summary["text"])["duration"] for summary in row["summaries"])
+        return count
+
+    assert wrong_units(default) == 0 and wrong_units(units) > 10
+
+
 def test_data_of_other_arguments_is_named_not_kept(tmp_path):
     """check_recorded_args (hello_world.sh's guard before it skips existing data): silent where the folder
     was generated with the arguments asked for, an exit naming each difference where not; a field the
