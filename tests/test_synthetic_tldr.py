@@ -519,7 +519,8 @@ def test_wrong_unit_fraction_states_the_posts_number_in_the_other_unit(tmp_path)
                                                                     wrong_unit=share)]:
                 ((number, unit),), ((wrong_number, wrong_unit),) = (st.extract_facts(text)["duration"],
                                                                     st.extract_facts(edited)["duration"])
-                assert note == "wrong duration" and st.gold_score(post, " " + text) - st.gold_score(post, " " + edited) >= 2.5
+                assert note == "wrong duration"
+                assert st.gold_score(post, " " + text) - st.gold_score(post, " " + edited) >= 2.5
                 assert (wrong_number == number) != (wrong_unit == unit), (text, edited)  # one part wrong, not both
                 kinds["unit" if wrong_number == number else "number"] += 1
         return kinds
