@@ -330,7 +330,7 @@ def swap_row(score, queries: list, texts: list, pairs: dict, slots: tuple = FACT
 
 
 def fact_copy_row(model, tokenizer, queries: list, texts: list, pairs: dict, slots: tuple = FACT_SWAP_SLOTS) -> dict:
-    """swap_row of one causal LM's log-likelihood margin over fact_swap_pairs (and duration_unit_pairs)."""
+    """swap_row of one causal LM's log-likelihood margin over fact_swap_pairs or fact_probe_pairs."""
     return swap_row(lambda qs, ts: response_logprobs(model, tokenizer, qs, ts), queries, texts, pairs, slots)
 
 

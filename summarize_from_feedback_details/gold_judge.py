@@ -369,6 +369,11 @@ def _stated_duration(post: str, summary: str):
     return None
 
 
+def other_unit(unit: str) -> str:
+    """The other of UNITS ("years" for "months" and "month", "months" for "years" and "year")."""
+    return "months" if unit.startswith("y") else "years"
+
+
 def swap_duration_unit(post: str, summary: str):
     """`summary` with the post's duration in the other unit and the same number ("5 months" for "5
     years"), or None where it does not state the post's duration. swap_fact's duration moves the number
@@ -377,8 +382,7 @@ def swap_duration_unit(post: str, summary: str):
     match = _stated_duration(post, summary)
     if match is None:
         return None
-    other = "months" if match.group(2).startswith("y") else "years"
-    return summary[:match.start(2)] + other + summary[match.end(2):]
+    return summary[:match.start(2)] + other_unit(match.group(2)) + summary[match.end(2):]
 
 
 def swap_fact(rng: random.Random, post: str, summary: str, slot: str):

@@ -9,8 +9,7 @@ PPO and DPO summaries (and those of RLOO, GRPO, online DPO and the PPO control w
 the same reward model. On the embedded default it also probes which facts the reward model checks:
 per slot (relation, problem, ask, duration, feeling, and the duration's unit beside its number), how
 often it prefers a validation reference to the same reference with that one fact swapped for a wrong one
-(`fact_swap_accuracy`). Per policy, in
-this order:
+(`fact_swap_accuracy`). Per policy, in this order:
 - the headline (DESIGN.md section 6), every policy but SFT: its mean gold score minus SFT's, paired
   per prompt (the same validation prompt's two summaries; win_rates.paired_comparison), with its 95%
   bootstrap interval over prompts, and its head-to-head rate against SFT (gold judge, ties half) with

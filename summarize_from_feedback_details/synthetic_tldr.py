@@ -31,7 +31,7 @@ from summarize_from_feedback_details import gold_judge
 from summarize_from_feedback_details.gold_judge import (ASKS, FACT_SWAP_SLOTS, FEELINGS, FILLER_ITEMS, FILLER_SENTENCES,
                                                         NEWS_CITIES, NEWS_FILLER_SENTENCES, PROBLEMS, RELATION_KIND,
                                                         RELATIONS, SUBREDDITS, TAIL_SENTENCES, UNITS, gold_preference,
-                                                        gold_score)
+                                                        gold_score, other_unit)
 
 
 def __getattr__(name: str):
@@ -257,7 +257,7 @@ def wrong_value(rng: random.Random, facts: dict, slot: str, wrong_unit: float = 
         n, unit = facts["duration"]
         # (no draw at 0: the default data stays what it was)
         if wrong_unit > 0 and rng.random() < wrong_unit:
-            return (n, "months" if unit == "years" else "years")
+            return (n, other_unit(unit))
         return (n + rng.choice([1, 2, 3]), unit)
     values = {"relation": RELATIONS, "problem": set(PROBLEMS) - {"ex"}, "ask": ASKS, "feeling": FEELINGS}[slot]
     return rng.choice(sorted(set(values) - {facts[slot]}))
