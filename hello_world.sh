@@ -321,21 +321,24 @@ accumulation() {
 # The critic-free and online-preference methods of ALGOS (the registry's rows with a number of samples): each its
 # own run folder, model folder and exp_name (eval/ tells the methods apart by it), its script and flags its row's.
 # run_online_methods EPISODES_PER_UPDATE ROLLOUT_QUERIES FLAGS...: every method of ALGOS but ppo and
-# dpo with FLAGS, generating min(ROLLOUT_QUERIES, the process's queries) queries per chunk
+# dpo with FLAGS (then, on the tiny default, its script's tiny_method_flags), generating
+# min(ROLLOUT_QUERIES, the process's queries) queries per chunk
 run_online_methods() {
-    local episodes=$1 rollout=$2 algo script k own chunk
+    local episodes=$1 rollout=$2 algo script k own chunk tiny_own
     shift 2
     for algo in $(sampled_method_names); do
         wanted $algo || continue
         read -r script k own <<<"$(method_row $algo)"
         read -ra own <<<"$own"
+        tiny_own=()
+        if [[ $TINY == 1 ]]; then read -ra tiny_own <<<"$(tiny_method_flags "$script")"; fi
         chunk=$((episodes / NUM_PROCESSES / k))
         ((rollout < chunk)) && chunk=$rollout
         run_stage "$script ($algo)" $OUT_DIR/$algo/model.safetensors \
             run_training $algo $script --base_model "$MODEL" --sft_model_path $OUT_DIR/sft \
                 --reward_model_path $OUT_DIR/reward_model --query_dataset $DATASET_DIR/sft \
                 --output_dir $OUT_DIR/$algo --local_rollout_forward_batch_size $chunk \
-                ${own[@]+"${own[@]}"} "$@"
+                ${own[@]+"${own[@]}"} "$@" ${tiny_own[@]+"${tiny_own[@]}"}
     done
 }
 

@@ -511,6 +511,11 @@ def test_own_flags_reach_their_stages_last_and_name_separates_the_run(checkout):
     assert dpo_call[-2:] == ["--beta", "0.1"] and dpo_call[0] == "accelerate"
 
 
+def last_flag(call, name):
+    """The value of a flag's last occurrence: the one tyro takes."""
+    return call[len(call) - 1 - call[::-1].index(name) + 1]
+
+
 def calls_of(calls, script):
     """The calls of `script` by its file name (stage_calls would count online_dpo.py as dpo.py)."""
     return [c for c in calls if any(os.path.basename(arg) == script for arg in c)]
@@ -534,7 +539,7 @@ def test_algos_chooses_the_methods_after_the_reward_model(checkout):
         assert flag(call, "--output_dir") == f"models/hello_world/{name}" and flag(call, "--run_name") == f"hello_world_{name}"
         assert flag(call, "--sft_model_path") == "models/hello_world/sft"
         assert flag(call, "--reward_model_path") == "models/hello_world/reward_model"
-        assert flag(call, "--total_episodes") == str(15 * 64) and flag(call, "--lr") == "1e-4"
+        assert flag(call, "--total_episodes") == str(15 * 64)
         # 64 episodes per update: queries x k = micro 16 x accumulation 4, generated in one chunk of queries
         assert (flag(call, "--local_micro_batch_size"), flag(call, "--gradient_accumulation_steps")) == ("16", "4")
         assert flag(call, "--local_rollout_forward_batch_size") == str(64 // k)
@@ -543,6 +548,11 @@ def test_algos_chooses_the_methods_after_the_reward_model(checkout):
     assert flag(grpo, "--algorithm") == "grpo" and flag(grpo, "--exp_name") == "grpo"
     assert flag(rloo_k4, "--exp_name") == "rloo_k4"
     assert all(c[-2:] == ["--kl_coef", "0.1"] for c in (rloo, rloo_k4, grpo)) and online[-2:] == ["--beta", "0.2"]
+    # the critic-free methods' steps per batch (tiny_default.sh), after PPO's flags: RLOO and GRPO two epochs at
+    # PPO's lr; online DPO one step at twice it (the later --lr wins, as in tyro)
+    for call in (rloo, rloo_k4, grpo):
+        assert flag(call, "--noptepochs") == "2" and call.count("--lr") == 1 and flag(call, "--lr") == "1e-4"
+    assert (flag(online, "--lr"), last_flag(online, "--lr")) == ("1e-4", "2e-4") and "--noptepochs" not in online
     # the control: a reward model that is never trained (its seeded random head, normalised) and PPO
     # against it with PPO's flags, in folders of their own
     rm, control_rm = calls_of(calls, "reward.py")
@@ -561,6 +571,7 @@ def test_algos_chooses_the_methods_after_the_reward_model(checkout):
     assert not calls_of(calls, "ppo_left_padding.py") and not calls_of(calls, "dpo.py")
     (rloo_k4,) = calls_of(calls, "rloo.py")
     (online,) = calls_of(calls, "online_dpo.py")
+    assert "--noptepochs" not in rloo_k4 and "--lr" not in online  # the tiny default's steps stay there
     for call, k in ((rloo_k4, 4), (online, 2)):  # the paper's 512 episodes over 8 GPUs
         assert call[0] == "accelerate" and flag(call, "--num_processes") == "8"
         micro, accumulation = int(flag(call, "--local_micro_batch_size")), int(flag(call, "--gradient_accumulation_steps"))
